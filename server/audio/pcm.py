@@ -1,0 +1,58 @@
+"""Raw PCM framing: 20 ms frames of signed 16-bit or float32 little-endian samples."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.audio.base import EncodedFrame
+from server.engine.base import AudioArray
+
+FRAME_MS = 20
+
+
+class PcmEncoder:
+    """Cuts audio into fixed 20 ms frames; only the stream's last frame is shorter."""
+
+    def __init__(self, *, fmt: str, sample_rate: int) -> None:
+        if fmt not in ("pcm16", "f32"):
+            raise ValueError(f"not a PCM format: {fmt}")
+        self._format = fmt
+        self._sample_rate = sample_rate
+        self.frame_samples = sample_rate * FRAME_MS // 1000
+        self._pending: AudioArray = np.zeros(0, dtype=np.float32)
+
+    @property
+    def format(self) -> str:
+        """``pcm16`` or ``f32``."""
+        return self._format
+
+    @property
+    def sample_rate(self) -> int:
+        """Output rate (no resampling happens here)."""
+        return self._sample_rate
+
+    def _payload(self, samples: AudioArray) -> bytes:
+        if self._format == "f32":
+            return samples.astype("<f4").tobytes()
+        return to_pcm16(samples).tobytes()
+
+    def push(self, audio: AudioArray) -> list[EncodedFrame]:
+        """Buffer ``audio`` and return every full 20 ms frame."""
+        pending = np.concatenate((self._pending, audio.astype(np.float32, copy=False)))
+        n = self.frame_samples
+        full = len(pending) // n
+        frames = [EncodedFrame(self._payload(pending[i * n : (i + 1) * n]), n) for i in range(full)]
+        self._pending = pending[full * n :]
+        return frames
+
+    def finish(self) -> list[EncodedFrame]:
+        """Return the trailing partial frame (possibly empty: it still marks the end)."""
+        rest = self._pending
+        self._pending = np.zeros(0, dtype=np.float32)
+        return [EncodedFrame(self._payload(rest), len(rest))]
+
+
+def to_pcm16(samples: AudioArray) -> np.ndarray:
+    """Float [-1, 1] to little-endian int16 with clipping and rounding (the wire's definition)."""
+    scaled = np.clip(np.rint(samples.astype(np.float64) * 32767.0), -32768, 32767)
+    return scaled.astype("<i2")

@@ -1,0 +1,150 @@
+"""The engine interface: token-block steps over a batch of sequences.
+
+An engine owns a model. It holds the state of every sequence that was added
+to it (KV-cache rows, random generator, decoder context) and advances the
+sequences it is told to by one token block per :meth:`Engine.step`. The
+scheduler (``server.scheduler``) is the only caller and calls it from one
+thread only, so engines need no locking.
+
+A *sequence* is one text segment of one stream. Streams with several
+segments are several sequences, submitted in order by the scheduler.
+
+This module imports no torch: it is shared by the fake engine (tests, load
+tests) and the ChatTTS engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+#: ChatTTS's native output sample rate; every engine produces audio at it.
+NATIVE_SAMPLE_RATE = 24_000
+
+AudioArray = npt.NDArray[np.float32]
+
+
+class EngineError(Exception):
+    """A failure inside an engine step; fails only the sequences of that step."""
+
+    code = "engine_error"
+
+
+class EngineOutOfMemory(EngineError):
+    """The step ran out of accelerator memory; retrying with fewer rows may work."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthesisParams:
+    """Everything besides the text that changes the audio of a sequence.
+
+    Attributes:
+        voice: ``"default"``, ``"seed:<int>"`` or a ChatTTS speaker string.
+        speed: 0.5 to 2.0; the engine maps it to its nearest native control.
+        seed: seeds the sequence's own random generator; ``None`` = random.
+        temperature: sampling temperature.
+        top_p: nucleus sampling threshold.
+        top_k: top-k sampling cut-off.
+    """
+
+    voice: str = "default"
+    speed: float = 1.0
+    seed: int | None = None
+    temperature: float = 0.3
+    top_p: float = 0.7
+    top_k: int = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceRequest:
+    """One text segment to synthesize.
+
+    Attributes:
+        seq_id: unique among the sequences an engine holds; chosen by the caller.
+        text: the segment's text (already normalized and split).
+        params: voice and sampling parameters.
+        max_tokens: hard cap on generated audio tokens for this sequence.
+        seed_offset: added to ``params.seed`` so that segment k of a stream
+            draws from its own reproducible generator.
+    """
+
+    seq_id: int
+    text: str
+    params: SynthesisParams
+    max_tokens: int = 2048
+    seed_offset: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one step produced for one sequence.
+
+    Attributes:
+        seq_id: the sequence.
+        audio: new float32 samples at :data:`NATIVE_SAMPLE_RATE` (may be empty).
+        tokens: audio tokens generated for this sequence in this step.
+        finished: the sequence reached its end (EOS or token limit); all of its
+            audio has been returned and the engine has already released it.
+    """
+
+    seq_id: int
+    audio: AudioArray
+    tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """Static facts the server advertises and the scheduler plans with."""
+
+    name: str
+    sample_rate: int = NATIVE_SAMPLE_RATE
+    voices: tuple[str, ...] = ("default",)
+    #: Audio samples one token decodes to (used to estimate throughput).
+    samples_per_token: int = 512
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model that advances many sequences in token blocks.
+
+    Every method is called from the scheduler's single inference thread.
+    """
+
+    @property
+    def info(self) -> EngineInfo:
+        """Static facts about this engine."""
+        ...
+
+    def validate_voice(self, voice: str) -> bool:
+        """Whether ``voice`` names a voice this engine can speak."""
+        ...
+
+    def add(self, request: SequenceRequest) -> None:
+        """Register a sequence; its prefill may run inside the next step."""
+        ...
+
+    def drop(self, seq_id: int) -> None:
+        """Forget a sequence and free its state (no-op for unknown ids)."""
+        ...
+
+    def step(self, seq_ids: list[int]) -> list[StepResult]:
+        """Advance the given sequences by one token block each.
+
+        Returns one result per id, in any order. Raises :class:`EngineError`
+        (or any exception) to fail the whole step; the caller then drops the
+        step's sequences, or for :class:`EngineOutOfMemory` retries with fewer.
+        """
+        ...
+
+    def warmup(self) -> None:
+        """Run representative work once so that the first request is fast."""
+        ...
+
+    def close(self) -> None:
+        """Release the model (called once, from the inference thread)."""
+        ...
