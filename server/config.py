@@ -1,0 +1,110 @@
+"""Server settings: one frozen ``Settings`` from CLI flags and ``CHATTTS_*`` variables.
+
+This is the only module that reads the environment. Every field of
+:class:`Settings` is a ``serve`` flag (``--max-batch``) and an environment
+variable (``CHATTTS_MAX_BATCH``); a flag wins over the variable, which wins
+over the default. ``--help`` lists each with its variable and default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "CHATTTS_"
+
+
+def _opt(default: Any, help_text: str, *, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help_text, "choices": choices})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything configurable about one server process (see ``chattts-stream serve --help``)."""
+
+    host: str = _opt("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
+    port: int = _opt(8080, "TCP port for WebSocket and HTTP")
+    engine: str = _opt("chattts", "inference engine: ChatTTS or the test engine", choices=("chattts", "fake"))
+    model_dir: str = _opt("", "ChatTTS asset folder; empty = fetch the official weights once into the cache")
+    allow_dev_model: bool = _opt(
+        False, "allow serving random weights from make-dev-model (refused otherwise)"
+    )
+    cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
+    device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
+    dtype: str = _opt("auto", "model precision", choices=("auto", "float32", "bfloat16", "float16"))
+    threads: int = _opt(0, "CPU threads for the model (0 = all cores)")
+    warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
+    max_text_chars: int = _opt(2000, "longest text accepted in one start message")
+    segment_max_chars: int = _opt(120, "longest text segment given to the model at once")
+    max_streams: int = _opt(4, "concurrent streams per connection")
+    max_connections: int = _opt(2000, "concurrent WebSocket connections per process")
+    max_message_bytes: int = _opt(65536, "largest client message; bigger ones close the connection with 1009")
+    send_timeout_s: float = _opt(10.0, "a send that cannot complete in this time aborts the connection")
+    max_buffered_s: float = _opt(
+        60.0, "unsent audio (seconds) a stream may pile up before its client is aborted"
+    )
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running streams may take to finish")
+    resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed")
+    max_batch: int = _opt(16, "most sequences advanced together in one engine step")
+    max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")
+    max_queue: int = _opt(256, "sequences waiting for a batch slot before new streams get 'overloaded'")
+    segment_lookahead: int = _opt(1, "segments of one stream generated ahead of the one playing")
+    fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
+    fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
+    log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def server_name(self) -> str:
+        """The ``server`` field of ``hello``."""
+        return f"chattts-stream/0.1.0 ({self.engine})"
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Add one flag per ``Settings`` field; defaults come from ``env`` when set there."""
+    for f in dataclasses.fields(Settings):
+        env_name = _env_name(f.name)
+        default = f.default
+        convert: Any = _parse_bool if isinstance(default, bool) else type(default)
+        if env_name in env:
+            try:
+                default = convert(env[env_name])
+            except ValueError as exc:
+                parser.error(f"{env_name}: {exc}")
+        help_text = f"{f.metadata['help']} [env {env_name}; default: {f.default!r}]"
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            parser.add_argument(
+                flag, type=convert, default=default, help=help_text, choices=f.metadata["choices"]
+            )
+
+
+def settings_from_namespace(namespace: argparse.Namespace) -> Settings:
+    """Build ``Settings`` from parsed arguments (extra attributes are ignored)."""
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(Settings)}
+    return Settings(**values)
+
+
+def load_settings(argv: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Settings:
+    """Parse ``serve`` flags from ``argv`` over ``CHATTTS_*`` variables (tests use this)."""
+    parser = argparse.ArgumentParser(prog="chattts-stream serve")
+    add_settings_arguments(parser, os.environ if env is None else env)
+    return settings_from_namespace(parser.parse_args(list(argv)))

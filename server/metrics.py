@@ -1,0 +1,59 @@
+"""Prometheus collectors, one registry per server instance (tests run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+class Metrics:
+    """Every collector the server exports at ``GET /metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.connections = Gauge("chattts_connections", "Open WebSocket connections", registry=r)
+        self.active_streams = Gauge("chattts_active_streams", "Streams not yet done", registry=r)
+        self.queue_depth = Gauge("chattts_queue_depth", "Sequences waiting for a batch slot", registry=r)
+        self.running_sequences = Gauge(
+            "chattts_running_sequences", "Sequences in the current batch", registry=r
+        )
+        self.frames_sent = Counter("chattts_frames_sent", "Binary audio frames sent", registry=r)
+        self.bytes_sent = Counter("chattts_audio_bytes_sent", "Audio frame bytes sent", registry=r)
+        self.streams_total = Counter("chattts_streams", "Streams by end reason", ["reason"], registry=r)
+        self.errors = Counter("chattts_errors", "Error messages sent, by code", ["code"], registry=r)
+        self.time_to_first_audio = Histogram(
+            "chattts_time_to_first_audio_seconds",
+            "From a start message to its first audio frame handed to the socket",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "chattts_batch_size", "Sequences per engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "chattts_queue_wait_seconds",
+            "From submission to a sequence's first engine step",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.block_time = Histogram(
+            "chattts_block_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter("chattts_tokens_generated", "Audio tokens generated", registry=r)
+        self.audio_seconds = Counter(
+            "chattts_audio_generated_seconds", "Seconds of audio generated", registry=r
+        )
+        self.engine_failures = Counter(
+            "chattts_engine_failures", "Failed engine steps, by kind", ["kind"], registry=r
+        )
+        self.breaker_open = Gauge("chattts_breaker_open", "1 while the engine breaker is open", registry=r)
+        self.gpu_memory_bytes = Gauge(
+            "chattts_gpu_memory_allocated_bytes", "Accelerator memory allocated (0 without one)", registry=r
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector."""
+        return generate_latest(self.registry)

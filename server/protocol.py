@@ -1,0 +1,239 @@
+"""Wire protocol v1: message types, parsing with error codes, the audio header.
+
+Pure values in, pure values out: nothing here touches sockets or asyncio,
+so every rule of ``docs/protocol.md`` is testable with plain strings.
+Validation of client messages is done by ``msgspec`` (typed structs with a
+``type`` tag), which gives precise messages such as
+``Expected `str`, got `int` - at `$.id```.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+HEADER = struct.Struct("<BBHII")
+HEADER_SIZE: Final = HEADER.size  # 12
+FLAG_LAST: Final = 0x01
+FLAG_SEGMENT_START: Final = 0x02
+
+# Stream ids are client strings; bound them so they cannot bloat replies.
+MAX_ID_CHARS: Final = 128
+# Without an explicit bound a request could ask for absurd sampling values.
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Speed = Annotated[float, msgspec.Meta(ge=0.5, le=2.0)]
+Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=5.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class ProtocolError(Exception):
+    """A client error with a stable wire ``code``; answered with an ``error`` message.
+
+    Attributes:
+        code: one of the codes of the protocol's error table.
+        message: human readable, safe to send (no internals).
+        stream_id: the client's stream id when the error concerns one stream.
+        retry_after_ms: set when retrying later may succeed.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        stream_id: str | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.stream_id = stream_id
+        self.retry_after_ms = retry_after_ms
+
+
+class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, frozen=True):
+    """Base of client messages; unknown extra fields are ignored (forward compatibility)."""
+
+
+class Start(_Message, tag="start", frozen=True):
+    """Begin a stream."""
+
+    id: Id
+    text: str | None = None
+    voice: str = "default"
+    speed: Speed = 1.0
+    format: str = "pcm16"
+    sample_rate: int = 24_000
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    incremental: bool = False
+    max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] | None = None
+
+
+class Cancel(_Message, tag="cancel", frozen=True):
+    """Stop a stream now."""
+
+    id: Id
+
+
+class Append(_Message, tag="append", frozen=True):
+    """Add text to an incremental stream."""
+
+    id: Id
+    text: str
+
+
+class Flush(_Message, tag="flush", frozen=True):
+    """Speak an incremental stream's buffered text now."""
+
+    id: Id
+
+
+class End(_Message, tag="end", frozen=True):
+    """No more text for an incremental stream."""
+
+    id: Id
+
+
+class Resume(_Message, tag="resume", frozen=True):
+    """Re-attach a stream after a reconnect."""
+
+    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    after_seq: Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1)] = -1
+
+
+ClientMessage = Start | Cancel | Append | Flush | End | Resume
+_decoder: Final = msgspec.json.Decoder(ClientMessage)
+_probe: Final = msgspec.json.Decoder(dict[str, Any])
+
+
+def parse_client_message(raw: str | bytes) -> ClientMessage:
+    """Decode and validate one text frame from a client.
+
+    Raises:
+        ProtocolError: ``bad_request`` with a message naming the problem.
+    """
+    if isinstance(raw, bytes):
+        raise ProtocolError("bad_request", "binary frames are not accepted from clients; send JSON text")
+    try:
+        return _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("bad_request", _describe(exc), stream_id=_stream_id_of(raw)) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    if "`$.type`" in text or "Object missing required field `type`" in text:
+        return f"unknown or missing message type ({text}); expected one of {sorted(_TYPES)}"
+    return f"invalid message: {text}"
+
+
+_TYPES: Final = ("start", "cancel", "append", "flush", "end", "resume")
+
+
+def _stream_id_of(raw: str) -> str | None:
+    """Best-effort ``id`` of an invalid message, so the error can name the stream."""
+    try:
+        value = _probe.decode(raw).get("id")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return value if isinstance(value, str) and len(value) <= MAX_ID_CHARS else None
+
+
+# --- server to client -------------------------------------------------------
+
+_encoder: Final = msgspec.json.Encoder()
+
+
+def encode(message: dict[str, Any]) -> str:
+    """Serialize a server message (compact JSON, UTF-8 text)."""
+    return _encoder.encode(message).decode("utf-8")
+
+
+def hello(
+    *,
+    server: str,
+    sample_rate: int,
+    sample_rates: list[int],
+    formats: list[str],
+    voices: list[str],
+    max_text_chars: int,
+    max_streams: int,
+    resume_ttl_s: float,
+) -> dict[str, Any]:
+    """The first message on every connection."""
+    return {
+        "type": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "server": server,
+        "sample_rate": sample_rate,
+        "sample_rates": sample_rates,
+        "formats": formats,
+        "voices": voices,
+        "max_text_chars": max_text_chars,
+        "max_streams": max_streams,
+        "resume_ttl_s": resume_ttl_s,
+    }
+
+
+def error(err: ProtocolError) -> dict[str, Any]:
+    """An ``error`` message for ``err``."""
+    message: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message}
+    if err.stream_id is not None:
+        message["id"] = err.stream_id
+    if err.retry_after_ms is not None:
+        message["retry_after_ms"] = err.retry_after_ms
+    return message
+
+
+DoneReason = Literal["complete", "cancelled", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """The 12-byte header in front of every binary audio frame."""
+
+    flags: int
+    slot: int
+    seq: int
+    sample: int
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the stream's last frame."""
+        return bool(self.flags & FLAG_LAST)
+
+    @property
+    def segment_start(self) -> bool:
+        """Whether a new text segment starts in this frame."""
+        return bool(self.flags & FLAG_SEGMENT_START)
+
+
+def pack_frame(header: FrameHeader, payload: bytes) -> bytes:
+    """Header plus payload, ready to send as one binary message."""
+    return HEADER.pack(header.version, header.flags, header.slot, header.seq, header.sample) + payload
+
+
+def unpack_frame(frame: bytes) -> tuple[FrameHeader, bytes]:
+    """Split a binary message into its header and payload.
+
+    Raises:
+        ValueError: shorter than the header or an unknown version.
+    """
+    if len(frame) < HEADER_SIZE:
+        raise ValueError(f"frame of {len(frame)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    version, flags, slot, seq, sample = HEADER.unpack_from(frame)
+    if version != PROTOCOL_VERSION:
+        raise ValueError(f"unknown frame version {version}")
+    return FrameHeader(flags=flags, slot=slot, seq=seq, sample=sample, version=version), frame[HEADER_SIZE:]

@@ -1,0 +1,111 @@
+"""Text preparation: sentence segmentation for Chinese and Latin text, length limits.
+
+Segments are what the engine generates one at a time: short enough to bound
+the model's memory and keep the first audio early, long enough to keep
+prosody natural. Everything here is pure and fast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+#: Characters that end a sentence whatever follows (CJK and unambiguous Latin).
+_HARD_END: Final = "。！？!?；;…"
+#: Closing quotes/brackets that belong to the sentence before them.
+_CLOSERS: Final = "\"'”’」』)）]】"
+#: Sentence ends: hard punctuation, or a Latin full stop followed by space/end
+#: (so "3.14" and "e.g.x" are not split), or a line break.
+_SENTENCE_END: Final = re.compile(rf"(?:[{re.escape(_HARD_END)}]+|\.+(?=\s|$)|\n+)[{re.escape(_CLOSERS)}]*")
+#: Where an over-long sentence may be cut when it has no sentence end.
+_CLAUSE_END: Final = re.compile(r"[，,、：:—]+|\s+")
+_SPACES: Final = re.compile(r"[ \t\r\f\v]+")
+
+DEFAULT_MAX_SEGMENT_CHARS: Final = 120
+DEFAULT_MIN_SEGMENT_CHARS: Final = 4
+
+
+def clean(text: str) -> str:
+    """Collapse runs of blanks and strip; keeps line breaks (they end sentences)."""
+    return _SPACES.sub(" ", text).strip()
+
+
+def split_complete(text: str) -> tuple[list[str], str]:
+    """Split off every complete sentence of ``text``.
+
+    Returns:
+        The complete sentences (stripped, non-empty) and the unfinished rest
+        (unstripped, so more text can be appended to it).
+    """
+    sentences: list[str] = []
+    start = 0
+    for match in _SENTENCE_END.finditer(text):
+        end = match.end()
+        # A Latin "." directly before a closer at the very end could still be
+        # followed by more text in an incremental stream; only the regex decides.
+        piece = text[start:end].strip()
+        if piece:
+            sentences.append(piece)
+        start = end
+    return sentences, text[start:]
+
+
+def _cut_long(sentence: str, max_chars: int) -> list[str]:
+    """Cut a sentence longer than ``max_chars`` at clause ends, else hard."""
+    pieces: list[str] = []
+    rest = sentence
+    while len(rest) > max_chars:
+        window = rest[: max_chars + 1]
+        cut = 0
+        for match in _CLAUSE_END.finditer(window):
+            if match.end() <= max_chars:
+                cut = match.end()
+        if cut < max_chars // 3:  # no useful clause end: cut hard at the limit
+            cut = max_chars
+        head = rest[:cut].strip()
+        if head:
+            pieces.append(head)
+        rest = rest[cut:].lstrip()
+    if rest.strip():
+        pieces.append(rest.strip())
+    return pieces
+
+
+def split_segments(
+    text: str,
+    *,
+    max_chars: int = DEFAULT_MAX_SEGMENT_CHARS,
+    min_chars: int = DEFAULT_MIN_SEGMENT_CHARS,
+) -> list[str]:
+    """Split text into speakable segments of at most ``max_chars`` characters.
+
+    Sentences end at CJK or Latin terminal punctuation or a line break; a
+    sentence longer than ``max_chars`` is cut at a clause boundary; pieces
+    shorter than ``min_chars`` (such as "OK.") are joined to their
+    neighbour when the result still fits.
+    """
+    sentences, rest = split_complete(clean(text))
+    if rest.strip():
+        sentences.append(rest.strip())
+    pieces = [piece for sentence in sentences for piece in _cut_long(sentence, max_chars)]
+    merged: list[str] = []
+    for piece in pieces:
+        if merged and (len(piece) < min_chars or len(merged[-1]) < min_chars):
+            joined = _join(merged[-1], piece)
+            if len(joined) <= max_chars:
+                merged[-1] = joined
+                continue
+        merged.append(piece)
+    return merged
+
+
+def _join(left: str, right: str) -> str:
+    """Join two pieces with a space only between Latin characters."""
+    if left and right and left[-1].isascii() and right[0].isascii():
+        return f"{left} {right}"
+    return left + right
+
+
+def has_speakable(text: str) -> bool:
+    """Whether ``text`` has anything besides blanks and punctuation."""
+    return any(ch.isalnum() for ch in text)
