@@ -3,40 +3,97 @@
 from __future__ import annotations
 
 from server.audio.base import EncodedFrame, FrameEncoder
+from server.audio.ogg import DEFAULT_PAGE_MS, OggOpusEncoder
+from server.audio.opus import DEFAULT_BITRATE, DEFAULT_COMPLEXITY, OpusEncoder
 from server.audio.pcm import FRAME_MS, PcmEncoder
+from server.audio.resample import ResamplingEncoder, StreamResampler, resampled_length
 
-#: Formats the server can produce now; ``hello`` advertises exactly these.
-SUPPORTED_FORMATS: tuple[str, ...] = ("pcm16", "f32")
-#: Output sample rates the server can produce now.
-SUPPORTED_RATES: tuple[int, ...] = (24_000,)
+#: Formats the server can produce; ``hello`` advertises exactly these.
+SUPPORTED_FORMATS: tuple[str, ...] = ("pcm16", "f32", "opus", "ogg")
+#: Output sample rates the server can produce (24 kHz is native; the others are resampled).
+SUPPORTED_RATES: tuple[int, ...] = (16_000, 24_000, 48_000)
+#: Formats whose encoding costs enough CPU to belong off the event loop (see
+#: bench/results/opus_cost_cpu.md); PCM framing is cheap enough to stay inline
+#: unless it also resamples.
+CPU_HEAVY_FORMATS: frozenset[str] = frozenset({"opus", "ogg"})
 
 
 class UnsupportedAudio(ValueError):
     """The requested format or sample rate is not available."""
 
 
-def make_encoder(fmt: str, sample_rate: int, native_rate: int = 24_000) -> FrameEncoder:
+def make_encoder(
+    fmt: str,
+    sample_rate: int,
+    native_rate: int = 24_000,
+    *,
+    opus_bitrate: int = DEFAULT_BITRATE,
+    opus_complexity: int = DEFAULT_COMPLEXITY,
+    ogg_page_ms: int = DEFAULT_PAGE_MS,
+    ogg_serial: int | None = None,
+    resample_quality: str = "HQ",
+) -> FrameEncoder:
     """Build the stateful encoder for one stream.
+
+    The encoder takes ``native_rate`` float32 chunks of any length and
+    resamples them (statefully, no seams) when ``sample_rate`` differs; Opus
+    encodes at ``sample_rate`` directly. Every returned frame's ``samples``
+    is at ``sample_rate`` and a stream's frames sum to exactly
+    ``resampled_length(n_native, native_rate, sample_rate)``.
+
+    Args:
+        fmt: one of :data:`SUPPORTED_FORMATS`.
+        sample_rate: one of :data:`SUPPORTED_RATES`.
+        native_rate: the engine's rate (24 kHz for ChatTTS).
+        opus_bitrate: ``opus``/``ogg`` target bitrate in bit/s (default 32000).
+        opus_complexity: ``opus``/``ogg`` libopus complexity 0..10 (default 5).
+        ogg_page_ms: ``ogg`` longest audio per page in ms (default 100);
+            partial pages are closed at the end of every push anyway.
+        ogg_serial: ``ogg`` stream serial number; random per stream when ``None``.
+        resample_quality: libsoxr preset (``QQ``, ``LQ``, ``MQ``, ``HQ``,
+            ``VHQ``) when resampling; default ``HQ``.
 
     Raises:
         UnsupportedAudio: unknown format or rate.
+        ValueError: an option is out of range.
     """
     if fmt not in SUPPORTED_FORMATS:
         raise UnsupportedAudio(f"format {fmt!r} is not supported; use one of {list(SUPPORTED_FORMATS)}")
-    if sample_rate not in SUPPORTED_RATES or sample_rate != native_rate:
+    if sample_rate not in SUPPORTED_RATES:
         raise UnsupportedAudio(
             f"sample_rate {sample_rate} is not supported; use one of {list(SUPPORTED_RATES)}"
         )
-    return PcmEncoder(fmt=fmt, sample_rate=sample_rate)
+    encoder: FrameEncoder
+    if fmt == "opus":
+        encoder = OpusEncoder(sample_rate, bitrate=opus_bitrate, complexity=opus_complexity)
+    elif fmt == "ogg":
+        encoder = OggOpusEncoder(
+            sample_rate,
+            bitrate=opus_bitrate,
+            complexity=opus_complexity,
+            page_ms=ogg_page_ms,
+            serial=ogg_serial,
+        )
+    else:
+        encoder = PcmEncoder(fmt=fmt, sample_rate=sample_rate)
+    if sample_rate != native_rate:
+        encoder = ResamplingEncoder(encoder, in_rate=native_rate, quality=resample_quality)
+    return encoder
 
 
 __all__ = [
+    "CPU_HEAVY_FORMATS",
     "FRAME_MS",
     "SUPPORTED_FORMATS",
     "SUPPORTED_RATES",
     "EncodedFrame",
     "FrameEncoder",
+    "OggOpusEncoder",
+    "OpusEncoder",
     "PcmEncoder",
+    "ResamplingEncoder",
+    "StreamResampler",
     "UnsupportedAudio",
     "make_encoder",
+    "resampled_length",
 ]

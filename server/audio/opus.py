@@ -144,8 +144,8 @@ class OpusStreamEncoder:
 
     def _encode(self, frames: AudioArray, total: int) -> list[OpusPacket]:
         n = self.frame_samples
-        # Clip before libopus: float input beyond ±1 is legal but the wire's
-        # PCM formats clip there too, so every format carries the same signal.
+        # Clip like pcm16 does: libopus accepts floats beyond ±1, but a decoder
+        # would then hard-clip to int16 anyway, and the SNR tests compare to pcm16.
         frames = np.clip(frames, -1.0, 1.0).astype("<f4", copy=False)
         out: list[OpusPacket] = []
         for i in range(len(frames) // n):
