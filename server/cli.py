@@ -1,0 +1,70 @@
+"""The ``chattts-stream`` command: ``serve`` and ``make-dev-model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from server.config import add_settings_arguments, settings_from_namespace
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chattts-stream",
+        description="Real-time streaming text-to-speech server for ChatTTS (WebSocket protocol v1).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the WebSocket server. Every flag can also be set with the CHATTTS_* "
+        "environment variable shown in its help; a flag wins over the variable.",
+    )
+    add_settings_arguments(serve, os.environ)
+    dev = commands.add_parser(
+        "make-dev-model",
+        help="write random ChatTTS weights (for tests, benchmarks and trying the server offline)",
+        description="Write random-weight ChatTTS assets in ChatTTS's exact file layout. "
+        "They produce noise, not speech; serve them with --model-dir DIR --allow-dev-model.",
+    )
+    dev.add_argument(
+        "--size", choices=("tiny", "full"), default="tiny", help="tiny: tests/CI; full: real shapes"
+    )
+    dev.add_argument("--seed", type=int, default=0, help="random seed for the weights")
+    dev.add_argument("directory", type=Path, help="folder to write (created if missing)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``chattts-stream`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "make-dev-model":
+        from server.engine.chattts_assets import make_dev_model
+
+        make_dev_model(args.size, args.directory, seed=args.seed)
+        print(f"wrote a random-weight {args.size} ChatTTS model to {args.directory}")
+        return 0
+    settings = settings_from_namespace(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import uvloop
+
+    from server.app import App
+    from server.engine.loading import ModelUnavailable
+
+    try:
+        uvloop.run(App(settings).run_until_signalled())
+    except ModelUnavailable as exc:
+        print(f"chattts-stream: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

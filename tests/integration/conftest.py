@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from server.app import App
+from server.config import Settings, load_settings
+
+MakeApp = Callable[..., Any]
+
+
+def fake_settings(*flags: str) -> Settings:
+    """Settings for an in-process fake-engine server on a free loopback port."""
+    return load_settings(["--engine", "fake", "--port", "0", "--host", "127.0.0.1", *flags], env={})
+
+
+@pytest.fixture
+async def make_app() -> AsyncIterator[MakeApp]:
+    """Start servers with extra flags; all are stopped at the end of the test."""
+    apps: list[App] = []
+
+    async def make(*flags: str, **kwargs: Any) -> App:
+        app = App(fake_settings(*flags), **kwargs)
+        await app.start()
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        await app.stop()
+
+
+@pytest.fixture
+async def app(make_app: MakeApp) -> App:
+    started: App = await make_app()
+    return started

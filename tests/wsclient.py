@@ -1,0 +1,90 @@
+"""A small protocol-v1 test client over a real ``websockets`` connection."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+
+from server.protocol import FrameHeader, unpack_frame
+
+
+@dataclass
+class Frame:
+    header: FrameHeader
+    payload: bytes
+
+
+@dataclass
+class StreamLog:
+    """Everything one stream received, in arrival order."""
+
+    started: dict[str, Any] | None = None
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    done: dict[str, Any] | None = None
+    order: list[str] = field(default_factory=list)
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(f.payload for f in self.frames)
+
+
+def url(port: int) -> str:
+    return f"ws://127.0.0.1:{port}/v1/stream"
+
+
+async def open_client(port: int, **kwargs: Any) -> tuple[ClientConnection, dict[str, Any]]:
+    ws = await connect(url(port), compression=None, max_size=None, **kwargs)
+    hello = json.loads(await ws.recv())
+    assert hello["type"] == "hello"
+    return ws, hello
+
+
+async def recv_json(ws: ClientConnection) -> dict[str, Any]:
+    """The next text message (fails on a binary one)."""
+    raw = await ws.recv()
+    assert isinstance(raw, str), "expected a JSON text message"
+    message: dict[str, Any] = json.loads(raw)
+    return message
+
+
+async def collect(ws: ClientConnection, ids: set[str]) -> dict[str, StreamLog]:
+    """Receive until every stream in ``ids`` got ``done``; frames routed by slot."""
+    logs = {sid: StreamLog() for sid in ids}
+    by_slot: dict[int, str] = {}
+    pending = set(ids)
+    while pending:
+        raw = await ws.recv()
+        if isinstance(raw, bytes):
+            header, payload = unpack_frame(raw)
+            log = logs[by_slot[header.slot]]
+            log.frames.append(Frame(header, payload))
+            log.order.append(f"frame:{header.seq}")
+            continue
+        msg = json.loads(raw)
+        sid = msg.get("id")
+        if sid not in logs:
+            raise AssertionError(f"unexpected message {msg}")
+        log = logs[sid]
+        log.order.append(f"segment:{msg['seq']}" if msg["type"] == "segment" else msg["type"])
+        if msg["type"] == "started":
+            log.started = msg
+            by_slot[msg["slot"]] = sid
+        elif msg["type"] == "segment":
+            log.segments.append(msg)
+        elif msg["type"] == "error":
+            log.errors.append(msg)
+            if "started" not in log.order and "done" not in log.order:  # refused: no done follows
+                pending.discard(sid)
+        elif msg["type"] == "done":
+            log.done = msg
+            pending.discard(sid)
+    return logs
+
+
+async def start(ws: ClientConnection, **fields: Any) -> None:
+    await ws.send(json.dumps({"type": "start", **fields}))
