@@ -77,6 +77,7 @@ def best_lag(reference: np.ndarray, test: np.ndarray, max_lag: int = 400) -> int
     """The shift of ``test`` against ``reference`` that maximizes their correlation."""
     core = reference[max_lag:-max_lag].astype(np.float64)
     scores = [
-        float(np.dot(core, test[max_lag + lag : len(test) - max_lag + lag])) for lag in range(-max_lag, max_lag + 1)
+        float(np.dot(core, test[max_lag + lag : len(test) - max_lag + lag]))
+        for lag in range(-max_lag, max_lag + 1)
     ]
     return int(np.argmax(scores)) - max_lag
