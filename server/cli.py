@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # websockets logs every HTTP probe at INFO; health checks would flood the log.
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     import uvloop
 
     from server.app import App

@@ -79,6 +79,8 @@ class Connection:
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+        for _ in self.streams:
+            self.app.stream_finished("disconnected")
         self.streams.clear()
 
     def abort(self, reason: str) -> None:

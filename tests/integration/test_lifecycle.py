@@ -1,0 +1,107 @@
+"""Cancel, disconnect, many connections and a client that never reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from server.app import App
+from server.engine.fake import FakeEngine
+from tests.wsclient import collect, open_client, recv_json, start, url
+
+LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a row. " * 6
+
+
+def fake_engine(app: App) -> FakeEngine:
+    engine = app.scheduler.engine
+    assert isinstance(engine, FakeEngine)
+    return engine
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_cancel_mid_stream_frees_slot_and_engine_work(make_app: Any) -> None:
+    app = await make_app("--fake-step-ms", "10")
+    ws, _ = await open_client(app.port)
+    await start(ws, id="c", text=LONG_TEXT, seed=1)
+    started = await recv_json(ws)
+    assert started["type"] == "started" and started["slot"] == 0
+    while not isinstance(await ws.recv(), bytes):  # wait for audio to flow
+        pass
+    await ws.send(json.dumps({"type": "cancel", "id": "c"}))
+    done = None
+    while done is None:
+        raw = await ws.recv()
+        if isinstance(raw, str) and json.loads(raw)["type"] == "done":
+            done = json.loads(raw)
+    assert done["reason"] == "cancelled" and done["id"] == "c"
+    engine = fake_engine(app)
+    await wait_until(lambda: engine.live_sequences == 0)
+    assert any(kind == "drop" for kind, _ in engine.events)
+    # The slot is free: the next stream gets slot 0 and completes.
+    await start(ws, id="c", text="Short one.", seed=2)
+    log = (await collect(ws, {"c"}))["c"]
+    assert log.started is not None and log.started["slot"] == 0
+    assert log.done is not None and log.done["reason"] == "complete"
+    await ws.close()
+
+
+async def test_disconnect_mid_stream_frees_engine_work(make_app: Any) -> None:
+    app = await make_app("--fake-step-ms", "10")
+    ws, _ = await open_client(app.port)
+    await start(ws, id="d", text=LONG_TEXT, seed=1)
+    while not isinstance(await ws.recv(), bytes):
+        pass
+    engine = fake_engine(app)
+    assert engine.live_sequences > 0
+    await ws.close()
+    await wait_until(lambda: engine.live_sequences == 0)
+    await wait_until(lambda: app.active_streams == 0)
+
+
+async def test_200_concurrent_connections_complete_without_errors(app: App) -> None:
+    async def one(i: int) -> dict[str, Any]:
+        ws, _ = await open_client(app.port)
+        await start(ws, id=f"s{i}", text=f"Connection {i} says hello. 你好。", seed=i)
+        log = (await collect(ws, {f"s{i}"}))[f"s{i}"]
+        await ws.close()
+        assert not log.errors
+        assert log.done is not None
+        return log.done
+
+    async with asyncio.timeout(120):
+        dones = await asyncio.gather(*(one(i) for i in range(200)))
+    assert all(done["reason"] == "complete" for done in dones)
+    assert app.active_streams == 0
+
+
+async def test_client_that_never_reads_is_aborted_and_others_are_unharmed(make_app: Any) -> None:
+    app = await make_app("--send-timeout-s", "0.5", "--max-buffered-s", "5", "--fake-step-ms", "1")
+    # max_queue=1 and a tiny receive buffer: this client stops reading almost at once.
+    stalled = await connect(url(app.port), compression=None, max_queue=1, max_size=None)
+    await stalled.recv()  # hello
+    stalled.transport.get_extra_info("socket").setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
+    await start(stalled, id="slow", text="x" * 1990, seed=1, format="f32")
+
+    ws, _ = await open_client(app.port)
+    await start(ws, id="fine", text=LONG_TEXT, seed=2)
+    log = (await collect(ws, {"fine"}))["fine"]
+    assert log.done is not None and log.done["reason"] == "complete"
+    await ws.close()
+
+    await wait_until(lambda: len(app.connections) == 0, timeout=30)
+    with pytest.raises(ConnectionClosed):
+        while True:
+            await stalled.recv()
+    assert fake_engine(app).live_sequences == 0
+    metrics = app.metrics.render().decode()
+    assert 'chattts_errors_total{code="aborted"} 1.0' in metrics
