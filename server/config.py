@@ -30,13 +30,18 @@ class Settings:
     port: int = _opt(8080, "TCP port for WebSocket and HTTP")
     engine: str = _opt("chattts", "inference engine: ChatTTS or the test engine", choices=("chattts", "fake"))
     model_dir: str = _opt("", "ChatTTS asset folder; empty = fetch the official weights once into the cache")
-    allow_dev_model: bool = _opt(
-        False, "allow serving random weights from make-dev-model (refused otherwise)"
+    dev_model: str = _opt(
+        "",
+        "serve RANDOM weights of this size (made once in the cache) where the real ones cannot be had",
+        choices=("", "tiny", "full"),
     )
     cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
     dtype: str = _opt("auto", "model precision", choices=("auto", "float32", "bfloat16", "float16"))
-    threads: int = _opt(0, "CPU threads for the model (0 = all cores)")
+    threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
+    block_schedule: str = _opt(
+        "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"
+    )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     segment_max_chars: int = _opt(120, "longest text segment given to the model at once")

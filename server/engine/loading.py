@@ -6,7 +6,9 @@ and its errors reported, without importing torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.config import Settings
@@ -14,17 +16,59 @@ from server.config import Settings
 if TYPE_CHECKING:
     from server.engine.base import Engine
 
+log = logging.getLogger(__name__)
+
 
 class ModelUnavailable(Exception):
-    """The model cannot be loaded (no weights, refused dev model); the message says what to do."""
+    """The model cannot be loaded; the one-line message says what to do."""
+
+
+def cache_root(settings: Settings) -> Path:
+    """Where downloaded weights and generated dev models are kept."""
+    if settings.cache_dir:
+        return Path(settings.cache_dir).expanduser()
+    return Path.home() / ".cache" / "chattts-stream"
+
+
+def parse_block_schedule(text: str) -> tuple[int, ...]:
+    """``"8,16,32"`` → ``(8, 16, 32)``; every entry must be a positive integer."""
+    try:
+        blocks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ModelUnavailable(f"--block-schedule {text!r}: expected integers such as 8,16,32") from None
+    if not blocks or min(blocks) < 1:
+        raise ModelUnavailable(f"--block-schedule {text!r}: every block must be at least 1 token")
+    return blocks
 
 
 def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
-    """A constructor for the ChatTTS engine described by ``settings``."""
+    """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread)."""
+    blocks = parse_block_schedule(settings.block_schedule)
 
     def build() -> Engine:
         from server.engine.chattts import ChatTTSEngine
+        from server.engine.chattts_assets import ModelUnavailableError
+        from server.engine.chattts_devmodel import make_dev_model
 
-        return ChatTTSEngine.load(model_dir=settings.model_dir or None)
+        model_dir: Path | None = Path(settings.model_dir).expanduser() if settings.model_dir else None
+        if settings.dev_model:
+            model_dir = cache_root(settings) / f"dev-{settings.dev_model}"
+            if not (model_dir / "DEV_MODEL.json").is_file():
+                log.warning("writing a random-weight %s dev model to %s", settings.dev_model, model_dir)
+                make_dev_model("full" if settings.dev_model == "full" else "tiny", model_dir)
+        try:
+            engine = ChatTTSEngine.load(
+                model_dir=model_dir,
+                device=settings.device,
+                dtype=settings.dtype,
+                num_threads=settings.threads or None,
+                cache_dir=cache_root(settings) / "hub",
+                block_schedule=blocks,
+            )
+        except ModelUnavailableError as exc:
+            raise ModelUnavailable(str(exc)) from None
+        if engine.random_weights:
+            log.warning("SERVING RANDOM WEIGHTS from %s: the audio is noise, not speech", model_dir)
+        return engine
 
     return build

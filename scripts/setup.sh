@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) set-up of everything chattts-stream needs on a fresh
+# Debian/Ubuntu machine: system libraries, a virtual environment in .venv with
+# the Python packages, and (for the tests) the browser-test tools.
+#
+#   scripts/setup.sh          runtime only (what `scripts/serve.sh` needs)
+#   scripts/setup.sh --dev    plus test tools (what `scripts/test.sh` needs)
+#
+# Re-running is fast: each step is skipped when its inputs did not change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=0
+[[ "${1:-}" == "--dev" ]] && DEV=1
+PYTHON="${PYTHON:-python3}"
+# The CPU build of torch. Override TORCH_SPEC for a GPU machine, e.g.
+#   TORCH_SPEC="torch==2.9.1" (PyPI's default Linux wheels include CUDA).
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+VENV=.venv
+STAMP="$VENV/.setup-stamp"
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+
+# --- system packages --------------------------------------------------------
+APT_PACKAGES=(libopus0)
+if [[ $DEV -eq 1 ]]; then
+  APT_PACKAGES+=(opus-tools)
+fi
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  if command -v apt-get >/dev/null; then
+    log "installing system packages: ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    log "please install these system packages yourself: ${missing[*]}" && exit 1
+  fi
+fi
+
+# --- Python environment -----------------------------------------------------
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-dev$DEV-$TORCH_SPEC"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+log "installing $TORCH_SPEC"
+"${PIP[@]}" "$TORCH_SPEC"
+# ChatTTS and vocos import torchaudio but use only its pure-Python parts. PyPI's
+# torchaudio wheels carry a compiled extension built for CUDA torch, which cannot
+# load beside the CPU torch; torchaudio runs fine without it, so it is removed.
+"${PIP[@]}" --no-deps "torchaudio==2.11.0"
+rm -f "$VENV"/lib/python3*/site-packages/torchaudio/lib/*.so
+extras="model"
+[[ $DEV -eq 1 ]] && extras="model,dev"
+log "installing chattts-stream[$extras]"
+"${PIP[@]}" -e ".[$extras]"
+echo "$want" > "$STAMP"
+log "ready: $VENV"
