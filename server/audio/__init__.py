@@ -81,6 +81,18 @@ def make_encoder(
     return encoder
 
 
+def opus_preskip(encoder: FrameEncoder) -> int:
+    """Decoded samples (at the output rate) a raw-Opus client drops at the stream start; 0 for other formats.
+
+    For ``opus`` this is the libopus lookahead (156 at 24 kHz, 104 at 16 kHz,
+    312 at 48 kHz: 6.5 ms), worth announcing in ``started`` so that clients
+    need not know libopus internals; ``ogg`` carries it in its OpusHead and
+    PCM has none.
+    """
+    inner = encoder.inner if isinstance(encoder, ResamplingEncoder) else encoder
+    return inner.preskip if isinstance(inner, OpusEncoder) else 0
+
+
 __all__ = [
     "CPU_HEAVY_FORMATS",
     "FRAME_MS",
@@ -95,5 +107,6 @@ __all__ = [
     "StreamResampler",
     "UnsupportedAudio",
     "make_encoder",
+    "opus_preskip",
     "resampled_length",
 ]

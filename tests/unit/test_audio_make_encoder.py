@@ -13,6 +13,7 @@ from server.audio import (
     ResamplingEncoder,
     UnsupportedAudio,
     make_encoder,
+    opus_preskip,
     resampled_length,
 )
 
@@ -54,3 +55,9 @@ def test_unsupported() -> None:
         make_encoder("pcm16", 44_100)
     with pytest.raises(ValueError):
         make_encoder("pcm16", 16_000, resample_quality="nope")
+
+
+def test_opus_preskip_helper() -> None:
+    assert [opus_preskip(make_encoder("opus", r)) for r in SUPPORTED_RATES] == [104, 156, 312]
+    assert opus_preskip(make_encoder("ogg", 24_000)) == 0  # carried in OpusHead instead
+    assert opus_preskip(make_encoder("pcm16", 48_000)) == 0
