@@ -147,7 +147,7 @@ def _stream_id_of(raw: str) -> str | None:
         value = _probe.decode(raw).get("id")
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return value if isinstance(value, str) and len(value) <= MAX_ID_CHARS else None
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
 
 
 # --- server to client -------------------------------------------------------

@@ -373,16 +373,24 @@ class Scheduler:
         self._metrics.queue_depth.set(self.queued)
 
     def _queue_lookahead(self, stream: _Stream) -> None:
-        """Queue the stream's next segments while fewer than 1 + lookahead are in flight."""
-        in_flight = stream.next_to_queue - stream.emit_index
+        """Queue the stream's next segments while fewer than 1 + lookahead are unfinished.
+
+        Segments that finished ahead of their turn (held audio) do not count, so a
+        short segment never stalls the pipeline; the held ones are capped too, which
+        bounds the audio a stream can hold back.
+        """
+        width = 1 + self.config.lookahead
+        held = len(stream.finished_segments)
+        unfinished = stream.next_to_queue - stream.emit_index - held
         while (
             not stream.ended
             and stream.next_to_queue < len(stream.segments)
-            and in_flight < 1 + self.config.lookahead
+            and unfinished < width
+            and held <= width
         ):
             index = stream.next_to_queue
             stream.next_to_queue += 1
-            in_flight += 1
+            unfinished += 1
             # Priority 0 for the segment a listener is waiting for, 1 for look-ahead.
             priority = 0 if index == stream.emit_index else 1
             entry = _Waiting(stream, index, time.monotonic())

@@ -45,8 +45,18 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
 async def test_sigterm_drains_running_stream_then_exits_0() -> None:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "serve", "--engine", "fake", "--port", str(port),
-        "--fake-step-ms", "40", "--drain-timeout-s", "60",
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--engine",
+        "fake",
+        "--port",
+        str(port),
+        "--fake-step-ms",
+        "40",
+        "--drain-timeout-s",
+        "60",
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

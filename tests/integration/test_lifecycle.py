@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
-import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 from server.app import App
 from server.engine.fake import FakeEngine
@@ -89,7 +88,7 @@ async def test_client_that_never_reads_is_aborted_and_others_are_unharmed(make_a
     # max_queue=1 and a tiny receive buffer: this client stops reading almost at once.
     stalled = await connect(url(app.port), compression=None, max_queue=1, max_size=None)
     await stalled.recv()  # hello
-    stalled.transport.get_extra_info("socket").setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
+    stalled.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     await start(stalled, id="slow", text="x" * 1990, seed=1, format="f32")
 
     ws, _ = await open_client(app.port)
@@ -98,10 +97,9 @@ async def test_client_that_never_reads_is_aborted_and_others_are_unharmed(make_a
     assert log.done is not None and log.done["reason"] == "complete"
     await ws.close()
 
+    # The server dropped the stalled connection although its client never closed it.
     await wait_until(lambda: len(app.connections) == 0, timeout=30)
-    with pytest.raises(ConnectionClosed):
-        while True:
-            await stalled.recv()
+    stalled.transport.abort()  # client-side clean-up; its buffered bytes are irrelevant
     assert fake_engine(app).live_sequences == 0
     metrics = app.metrics.render().decode()
     assert 'chattts_errors_total{code="aborted"} 1.0' in metrics

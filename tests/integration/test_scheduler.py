@@ -1,0 +1,242 @@
+"""The real inference loop over the fake engine: batching, admission, look-ahead, failures.
+
+Assertions come from the engine's step and event logs, not from wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from server.engine.base import SynthesisParams
+from server.engine.fake import FAIL_MARKER, FakeEngine
+from server.metrics import Metrics
+from server.scheduler import (
+    AudioChunk,
+    Overloaded,
+    Scheduler,
+    SchedulerConfig,
+    SegmentStarted,
+    StreamEnded,
+    StreamEvent,
+)
+
+
+@dataclass
+class Sink:
+    events: list[StreamEvent] = field(default_factory=list)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __call__(self, events: list[StreamEvent]) -> None:
+        self.events.extend(events)
+        if any(isinstance(e, StreamEnded) for e in events):
+            self.ended.set()
+
+    @property
+    def end(self) -> StreamEnded:
+        last = self.events[-1]
+        assert isinstance(last, StreamEnded)
+        return last
+
+    @property
+    def first_audio_index(self) -> int:
+        return next(i for i, e in enumerate(self.events) if isinstance(e, AudioChunk))
+
+
+async def run_scheduler(engine: FakeEngine, **config: object) -> AsyncIterator[Scheduler]:
+    scheduler = Scheduler(lambda: engine, config=SchedulerConfig(**config), metrics=Metrics())  # type: ignore[arg-type]
+    await scheduler.start()
+    await asyncio.to_thread(scheduler.ready.wait)
+    try:
+        yield scheduler
+    finally:
+        await scheduler.stop()
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(step_base_s=0.002, step_per_row_s=0.0002)
+
+
+async def wait_all(sinks: list[Sink]) -> None:
+    async with asyncio.timeout(60):
+        await asyncio.gather(*(s.ended.wait() for s in sinks))
+
+
+def steps_with(engine: FakeEngine, seq_id: int) -> list[int]:
+    return [rec.index for rec in engine.steps if seq_id in rec.seq_ids]
+
+
+async def test_sixteen_streams_run_in_one_batch_and_a_newcomer_waits_one_block(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, max_batch=32, max_wait_s=0.05):
+        sinks = [Sink() for _ in range(16)]
+        long_text = "a long running text " * 8
+        for i, sink in enumerate(sinks):
+            sched.submit([long_text], SynthesisParams(seed=i), sink)
+        # Wait until the batch is running, then add a newcomer mid-batch.
+        async with asyncio.timeout(10):
+            while len(engine.steps) < 3:
+                await asyncio.sleep(0.001)
+        newcomer = Sink()
+        steps_started_at_submit = engine.steps[-1].index + 2  # the running step + 1
+        sched.submit(["newcomer arrives."], SynthesisParams(seed=99), newcomer)
+        await wait_all([*sinks, newcomer])
+
+        assert engine.steps[0].seq_ids == tuple(range(16))  # all sixteen in the first step
+        assert max(len(rec.seq_ids) for rec in engine.steps) == 17
+        first_newcomer_step = min(steps_with(engine, 16))
+        assert first_newcomer_step <= steps_started_at_submit
+        # The others were still running when the newcomer joined: it did not wait for the batch.
+        assert max(steps_with(engine, 0)) > first_newcomer_step
+        assert all(s.end.reason == "complete" for s in [*sinks, newcomer])
+
+
+async def test_batch_is_capped_and_waiting_sequences_join_at_block_boundaries(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, max_batch=4, max_wait_s=0.0):
+        sinks = [Sink() for _ in range(10)]
+        for i, sink in enumerate(sinks):
+            sched.submit([f"stream {i} text here"], SynthesisParams(seed=i), sink)
+        await wait_all(sinks)
+        assert max(len(rec.seq_ids) for rec in engine.steps) == 4
+        assert all(s.end.reason == "complete" for s in sinks)
+
+
+async def test_next_segment_generates_before_the_current_one_finishes(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, lookahead=1):
+        sink = Sink()
+        # Each segment longer than the one before, so k+1 is still running when k ends.
+        segments = [
+            "First sentence.",
+            "The second sentence is longer.",
+            "The third sentence is the longest one.",
+        ]
+        sched.submit(segments, SynthesisParams(seed=1), sink)
+        await wait_all([sink])
+        events = list(engine.events)
+        for k in range(2):
+            assert events.index(("add", k + 1)) < events.index(("finish", k))
+            # ... and it really stepped before segment k finished.
+            finish_k = max(steps_with(engine, k))
+            assert min(steps_with(engine, k + 1)) <= finish_k
+        # Audio still arrives strictly in segment order.
+        starts = [e.index for e in sink.events if isinstance(e, SegmentStarted)]
+        assert starts == [0, 1, 2]
+
+
+async def test_a_segment_that_finishes_early_does_not_stall_the_next(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, lookahead=1):
+        sink = Sink()
+        # Segment 1 is short: it starts with segment 0 and ends first; segment 2 must then
+        # start before segment 0 ends (held audio does not count against look-ahead).
+        segments = ["A rather long first sentence with many words in it.", "Short.", "Third."]
+        sched.submit(segments, SynthesisParams(seed=1), sink)
+        await wait_all([sink])
+        events = list(engine.events)
+        assert events.index(("finish", 1)) < events.index(("finish", 0))
+        assert events.index(("add", 2)) < events.index(("finish", 0))
+        starts = [e.index for e in sink.events if isinstance(e, SegmentStarted)]
+        assert starts == [0, 1, 2]
+
+
+async def test_one_stream_cannot_take_more_than_its_share(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, max_batch=2, lookahead=3, max_wait_s=0.05):
+        greedy, other = Sink(), Sink()
+        sched.submit(
+            [f"segment {k} of the greedy stream." for k in range(6)], SynthesisParams(seed=1), greedy
+        )
+        sched.submit(["the other stream."], SynthesisParams(seed=2), other)
+        await wait_all([greedy, other])
+        # The other stream's first segment got a slot in the very first step, ahead of look-ahead work.
+        other_seq = next(seq for kind, seq in engine.events if kind == "add" and seq not in range(0, 1))
+        assert min(steps_with(engine, other_seq)) == 0
+
+
+async def test_engine_exception_fails_only_that_step(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine, max_batch=8, max_wait_s=0.0):
+        poisoned = Sink()
+        sched.submit([f"this one breaks {FAIL_MARKER}"], SynthesisParams(seed=1), poisoned)
+        await wait_all([poisoned])
+        assert poisoned.end.reason == "error" and poisoned.end.error is not None
+        assert poisoned.end.error.code == "engine_error"
+        later = [Sink() for _ in range(3)]
+        for i, sink in enumerate(later):
+            sched.submit(["the loop keeps serving."], SynthesisParams(seed=i), sink)
+        await wait_all(later)
+        assert all(s.end.reason == "complete" for s in later)
+        assert engine.live_sequences == 0
+
+
+async def test_out_of_memory_halves_the_batch_and_requests_complete(engine: FakeEngine) -> None:
+    engine.failures.oom_above_batch = 4
+    async for sched in run_scheduler(engine, max_batch=16, max_wait_s=0.05):
+        sinks = [Sink() for _ in range(10)]
+        for i, sink in enumerate(sinks):
+            sched.submit(["out of memory at large batches."], SynthesisParams(seed=i), sink)
+        await wait_all(sinks)
+        assert all(s.end.reason == "complete" for s in sinks)
+        failed = [rec for rec in engine.steps if rec.failed]
+        assert failed and len(failed[0].seq_ids) == 10
+        ok_sizes = [len(rec.seq_ids) for rec in engine.steps if not rec.failed]
+        assert max(ok_sizes) <= 4
+
+
+async def test_breaker_opens_after_repeated_failures_and_a_probe_closes_it(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(
+        engine, breaker_threshold=3, breaker_probe_interval_s=0.2, max_wait_s=0.0
+    ):
+        engine.failures.fail_steps = 4  # three steps fail, then the first probe fails too
+        sinks = [Sink() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            sched.submit(["fails."], SynthesisParams(seed=i), sink)
+            await wait_all([sink])
+        assert all(s.end.reason == "error" for s in sinks)
+        assert sched.breaker_open
+        async with asyncio.timeout(20):
+            while sched.breaker_open:
+                await asyncio.sleep(0.01)
+        ok = Sink()
+        sched.submit(["works again."], SynthesisParams(seed=5), ok)
+        await wait_all([ok])
+        assert ok.end.reason == "complete"
+
+
+async def test_full_queue_answers_overloaded_with_retry_after() -> None:
+    slow = FakeEngine(step_base_s=0.05, step_per_row_s=0.0)
+    async for sched in run_scheduler(slow, max_batch=1, max_queue=2, max_wait_s=0.0):
+        accepted: list[Sink] = []
+        with pytest.raises(Overloaded) as refused:
+            for i in range(10):
+                sink = Sink()
+                sched.submit(["queued text."], SynthesisParams(seed=i), sink)
+                accepted.append(sink)
+        assert refused.value.code == "overloaded" and refused.value.retry_after_ms is not None
+        assert refused.value.retry_after_ms >= 250
+        assert 2 <= len(accepted) <= 3
+        await wait_all(accepted)
+        assert all(s.end.reason == "complete" for s in accepted)
+        sink = Sink()
+        sched.submit(["healthy afterwards."], SynthesisParams(seed=1), sink)
+        await wait_all([sink])
+
+
+async def test_cancel_frees_the_row_at_the_next_block_boundary() -> None:
+    engine = FakeEngine(step_base_s=0.01, step_per_row_s=0.0)
+    async for sched in run_scheduler(engine, max_wait_s=0.0):
+        keep, gone = Sink(), Sink()
+        sched.submit(["a long text that keeps running " * 6], SynthesisParams(seed=1), keep)
+        handle = sched.submit(["another long text to cancel " * 6], SynthesisParams(seed=2), gone)
+        async with asyncio.timeout(10):
+            while len(engine.steps) < 3:
+                await asyncio.sleep(0.001)
+        running_step = engine.steps[-1].index + 1  # may be in flight now
+        handle.cancel()
+        await wait_all([gone])
+        assert gone.end.reason == "cancelled"
+        assert ("drop", 1) in engine.events
+        later_steps = [i for i in steps_with(engine, 1) if i > running_step]
+        assert later_steps == []
+        await wait_all([keep])
+        assert keep.end.reason == "complete"

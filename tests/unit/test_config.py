@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import pytest
+
+from server.cli import main
+from server.config import load_settings
+
+
+def test_flag_beats_environment_beats_default() -> None:
+    assert load_settings([], env={}).max_batch == 16
+    assert load_settings([], env={"CHATTTS_MAX_BATCH": "4"}).max_batch == 4
+    assert load_settings(["--max-batch", "2"], env={"CHATTTS_MAX_BATCH": "4"}).max_batch == 2
+
+
+def test_booleans_and_choices_from_environment() -> None:
+    assert load_settings([], env={"CHATTTS_WARMUP": "false"}).warmup is False
+    assert load_settings(["--no-warmup"], env={}).warmup is False
+    assert load_settings([], env={"CHATTTS_ENGINE": "fake"}).engine == "fake"
+    with pytest.raises(SystemExit):
+        load_settings(["--engine", "other"], env={})
+    with pytest.raises(SystemExit):
+        load_settings([], env={"CHATTTS_PORT": "eighty"})
+
+
+def test_help_documents_every_flag_with_its_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag, env in [
+        ("--max-batch", "CHATTTS_MAX_BATCH"),
+        ("--engine", "CHATTTS_ENGINE"),
+        ("--drain-timeout-s", "CHATTTS_DRAIN_TIMEOUT_S"),
+        ("--dev-model", "CHATTTS_DEV_MODEL"),
+    ]:
+        assert flag in out and env in out

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.text import clean, has_speakable, split_complete, split_segments
+
+
+def test_chinese_and_english_sentences() -> None:
+    text = "你好，欢迎使用语音服务。今天天气很好！This is a test. Does it work? 最后一句话。"
+    assert split_segments(text) == [
+        "你好，欢迎使用语音服务。",
+        "今天天气很好！",
+        "This is a test.",
+        "Does it work?",
+        "最后一句话。",
+    ]
+
+
+def test_decimals_abbreviations_and_quotes_stay_together() -> None:
+    assert split_segments("Pi is 3.14 exactly. He said “好的。”然后走了。") == [
+        "Pi is 3.14 exactly.",
+        "He said “好的。”",
+        "然后走了。",
+    ]
+
+
+def test_line_breaks_end_sentences_and_blanks_collapse() -> None:
+    assert split_segments("first line\nsecond   line") == ["first line", "second line"]
+    assert clean("  a \t b  ") == "a b"
+
+
+def test_long_sentence_is_cut_at_clauses_within_the_limit() -> None:
+    text = "，".join(["这是一个很长的句子的一部分"] * 20) + "。"
+    pieces = split_segments(text, max_chars=40)
+    assert all(len(p) <= 40 for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_unbroken_text_is_cut_hard() -> None:
+    pieces = split_segments("a" * 250, max_chars=100)
+    assert [len(p) for p in pieces] == [100, 100, 50]
+
+
+def test_tiny_pieces_join_a_neighbour() -> None:
+    assert split_segments("OK. Then we go on with the plan.") == ["OK. Then we go on with the plan."]
+
+
+def test_split_complete_keeps_the_unfinished_rest() -> None:
+    assert split_complete("One. Two! Thr") == (["One.", "Two!"], " Thr")
+    assert split_complete("no end yet") == ([], "no end yet")
+
+
+def test_has_speakable() -> None:
+    assert has_speakable("a。") and has_speakable("三") and not has_speakable("……！ ")
+
+
+@given(st.text(alphabet=st.sampled_from("ab 。.!,，你好\n"), max_size=400), st.integers(10, 80))
+def test_segments_bounded_and_lose_no_speakable_characters(text: str, max_chars: int) -> None:
+    pieces = split_segments(text, max_chars=max_chars)
+    assert all(0 < len(p) <= max_chars for p in pieces)
+    keep = lambda s: "".join(ch for ch in s if ch.isalnum())  # noqa: E731
+    assert keep("".join(pieces)) == keep(text)
