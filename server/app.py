@@ -29,12 +29,15 @@ from server.connection import Connection
 from server.engine.base import Engine
 from server.metrics import Metrics
 from server.scheduler import Scheduler, SchedulerConfig
+from server.service import SpeechService
 
 log = logging.getLogger(__name__)
 
 STREAM_PATH = "/v1/stream"
 #: /health fails when the inference thread has not looped for this long.
 HEARTBEAT_STALE_S = 120.0
+#: How often a drain checks whether the running streams are done.
+DRAIN_POLL_S = 0.05
 DEMO_DIR = Path(__file__).resolve().parent.parent / "client_js"
 
 
@@ -68,18 +71,16 @@ class App:
             metrics=self.metrics,
             warmup=settings.warmup,
         )
-        self.draining = False
+        self.service = SpeechService(settings, self.scheduler, self.metrics)
         self.connections: set[Connection] = set()
-        self.active_streams = 0
         self._server: Server | None = None
-        self._streams_idle = asyncio.Event()
-        self._streams_idle.set()
 
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         """Load the engine and listen (``/ready`` turns 200 after warm-up)."""
         await self.scheduler.start()
+        self.service.start()
         s = self.settings
         self._server = await serve(
             self._handle,
@@ -101,21 +102,41 @@ class App:
         port: int = self._server.sockets[0].getsockname()[1]
         return port
 
+    @property
+    def draining(self) -> bool:
+        """SIGTERM was received: no new streams, ``/ready`` fails."""
+        return self.service.draining
+
+    @property
+    def active_streams(self) -> int:
+        """Streams held (running, or waiting to be sent or resumed)."""
+        return len(self.service.registry)
+
+    def _busy_streams(self) -> int:
+        """Streams a drain waits for: unfinished, or with items left for a live connection."""
+        return sum(
+            1
+            for stream in self.service.registry.all()
+            if not stream.session.ended or stream.session.owner is not None
+        )
+
     async def drain(self) -> None:
         """Graceful stop: refuse new streams, let running ones finish, close with 1012."""
-        if self.draining:
+        if self.service.draining:
             return
-        self.draining = True
+        self.service.draining = True
         log.info(
-            "draining: %d active streams, up to %.0f s", self.active_streams, self.settings.drain_timeout_s
+            "draining: %d active streams, up to %.0f s", self._busy_streams(), self.settings.drain_timeout_s
         )
         for conn in list(self.connections):
             await conn.close_if_idle_while_draining()
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
-                await self._streams_idle.wait()
+                # The condition spans every stream's state; polling it during a drain is cheap.
+                while self._busy_streams():  # noqa: ASYNC110
+                    await asyncio.sleep(DRAIN_POLL_S)
         except TimeoutError:
-            log.warning("drain timeout: %d streams still running are cut off", self.active_streams)
+            log.warning("drain timeout: %d streams still running are cut off", self._busy_streams())
         await self.stop()
 
     async def stop(self) -> None:
@@ -125,6 +146,7 @@ class App:
             for conn in list(self.connections):
                 await conn.ws.close(1012, "server is restarting")
             await self._server.wait_closed()
+        await self.service.stop()
         await self.scheduler.stop()
 
     async def run_until_signalled(self) -> None:
@@ -138,22 +160,6 @@ class App:
         await stop.wait()
         log.info("signal received")
         await self.drain()
-
-    # --- bookkeeping (called by connections) -------------------------------------
-
-    def stream_started(self) -> None:
-        """A stream was admitted."""
-        self.active_streams += 1
-        self._streams_idle.clear()
-        self.metrics.active_streams.set(self.active_streams)
-
-    def stream_finished(self, reason: str) -> None:
-        """A stream is done (its ``done`` was sent, or its connection is gone)."""
-        self.active_streams -= 1
-        self.metrics.active_streams.set(self.active_streams)
-        self.metrics.streams_total.labels(reason=reason).inc()
-        if self.active_streams == 0:
-            self._streams_idle.set()
 
     def hello(self) -> dict[str, Any]:
         """The ``hello`` message this server sends first."""

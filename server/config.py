@@ -53,7 +53,10 @@ class Settings:
         60.0, "unsent audio (seconds) a stream may pile up before its client is aborted"
     )
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running streams may take to finish")
-    resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed")
+    resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed (0: cancel at once)")
+    replay_max_s: float = _opt(60.0, "audio (seconds) a stream keeps for resume, oldest evicted first")
+    replay_max_bytes: int = _opt(8 * 1024 * 1024, "bytes a stream keeps for resume, oldest evicted first")
+    encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")
     max_queue: int = _opt(256, "sequences waiting for a batch slot before new streams get 'overloaded'")

@@ -1,10 +1,12 @@
-"""One WebSocket connection: bytes ⇄ protocol ⇄ sessions ⇄ scheduler.
+"""One WebSocket connection: bytes ⇄ protocol ⇄ streams.
 
 The reader loop parses client messages and answers at once (errors,
-``started``); each stream's output is sent by its own pump task from the
-stream's :class:`~server.session.StreamSession` outbox, so a stream waiting
-on the model never delays another. Every send has a timeout: a client that
-stops reading is aborted rather than allowed to hold buffers.
+``started``, ``resumed``); each attached stream's items are sent by its own
+pump task from the stream's replay buffer, so a stream waiting on the model
+never delays another. Every send has a timeout: a client that stops reading
+is aborted rather than allowed to hold buffers. When the connection ends,
+its unfinished streams are detached, not cancelled: generation goes on and
+a new connection may ``resume`` them within the TTL.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from server import protocol
-from server.audio import UnsupportedAudio, make_encoder
-from server.engine.base import SynthesisParams
-from server.protocol import Cancel, ClientMessage, FrameHeader, ProtocolError, Start
-from server.scheduler import AudioChunk, ScheduledStream, SegmentStarted, StreamEnded, StreamEvent
-from server.session import BufferOverflow, StreamSession
-from server.text import has_speakable, split_segments
+from server.protocol import Cancel, ClientMessage, FrameHeader, ProtocolError, Resume, Start
+from server.session import redact
+from server.streams import Stream
 
 if TYPE_CHECKING:
     from server.app import App
@@ -38,14 +37,13 @@ class _Aborted(Exception):
 
 
 @dataclass(eq=False)
-class LiveStream:
-    """A stream attached to this connection."""
+class Attachment:
+    """A stream attached to this connection under a slot."""
 
+    stream: Stream
     slot: int
-    session: StreamSession
-    handle: ScheduledStream | None = None
     pump: asyncio.Task[None] | None = None
-    started_at: float = field(default_factory=time.monotonic)
+    attached_at: float = field(default_factory=time.monotonic)
 
 
 class Connection:
@@ -55,13 +53,14 @@ class Connection:
         self.app = app
         self.ws = ws
         self.settings = app.settings
-        self.streams: dict[str, LiveStream] = {}
+        self.service = app.service
+        self.attached: dict[str, Attachment] = {}  # by the client's stream id
         self._aborted = False
 
     # --- lifecycle -------------------------------------------------------------
 
     async def run(self) -> None:
-        """Say hello, serve messages until the client leaves, then free every stream."""
+        """Say hello, serve messages until the client leaves, then detach every stream."""
         try:
             await self._send_json(self.app.hello())
             async for raw in self.ws:
@@ -69,19 +68,8 @@ class Connection:
         except (ConnectionClosed, _Aborted):
             pass
         finally:
-            await self._release_all()
-
-    async def _release_all(self) -> None:
-        """The connection is gone: cancel its streams (frees engine work) and their pumps."""
-        for live in list(self.streams.values()):
-            self._cancel_stream(live, notify=False)
-        pumps = [live.pump for live in self.streams.values() if live.pump is not None]
-        for pump in pumps:
-            pump.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        for _ in self.streams:
-            self.app.stream_finished("disconnected")
-        self.streams.clear()
+            for attachment in list(self.attached.values()):
+                await self._detach(attachment, connection_lost=True)
 
     def abort(self, reason: str) -> None:
         """Drop the TCP connection at once (no close handshake: the peer is not reading)."""
@@ -94,7 +82,7 @@ class Connection:
 
     async def close_if_idle_while_draining(self) -> None:
         """During a drain, a connection with no streams left is closed with 1012."""
-        if self.app.draining and not self.streams:
+        if self.app.draining and not self.attached:
             await self.ws.close(1012, "server is restarting")
 
     # --- receiving ---------------------------------------------------------------
@@ -112,114 +100,126 @@ class Connection:
         if isinstance(message, Start):
             await self._start(message)
         elif isinstance(message, Cancel):
-            live = self.streams.get(message.id)
-            if live is None:
+            attachment = self.attached.get(message.id)
+            if attachment is None:
                 raise ProtocolError(
                     "bad_request", f"no live stream with id {message.id!r}", stream_id=message.id
                 )
-            self._cancel_stream(live, notify=True)
+            attachment.stream.cancel()
+        elif isinstance(message, Resume):
+            await self._resume(message)
         else:
             raise ProtocolError(
                 "unsupported", f"message type {message.__class__.__name__.lower()!r} is not available yet"
             )
 
+    def _check_room(self, sid: str) -> None:
+        if sid in self.attached:
+            raise ProtocolError("duplicate_id", f"stream id {sid!r} is already live", stream_id=sid)
+        if len(self.attached) >= self.settings.max_streams:
+            raise ProtocolError(
+                "too_many_streams",
+                f"at most {self.settings.max_streams} streams per connection",
+                stream_id=sid,
+            )
+
     async def _start(self, msg: Start) -> None:
-        live = self._admit(msg)
-        self.streams[msg.id] = live
-        session = live.session
+        if self.service.draining:
+            raise ProtocolError(
+                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=msg.id
+            )
+        self._check_room(msg.id)
+        stream = self.service.open(msg, self, self._on_overflow)
+        attachment = self._attach(stream)
+        session = stream.session
         await self._send_json(
             {
                 "type": "started",
                 "id": msg.id,
-                "slot": live.slot,
+                "slot": attachment.slot,
                 "stream": session.token,
-                "format": session.encoder.format,
+                "format": session.format,
                 "sample_rate": session.sample_rate,
                 "frame_ms": 20,
             }
         )
-        live.pump = asyncio.create_task(self._pump(live), name=f"pump-{msg.id}")
+        self._start_pump(attachment, session.sent_index)
 
-    def _admit(self, msg: Start) -> LiveStream:
-        """Validate a ``start`` and submit it; raises ProtocolError with the right code."""
-        s = self.settings
-        sid = msg.id
-        if self.app.draining:
-            raise ProtocolError("shutting_down", "the server is draining; reconnect elsewhere", stream_id=sid)
-        if sid in self.streams:
-            raise ProtocolError("duplicate_id", f"stream id {sid!r} is already live", stream_id=sid)
-        if len(self.streams) >= s.max_streams:
-            raise ProtocolError(
-                "too_many_streams", f"at most {s.max_streams} streams per connection", stream_id=sid
-            )
-        if msg.incremental:
-            raise ProtocolError("unsupported", "incremental streams are not available yet", stream_id=sid)
-        if msg.text is None:
-            raise ProtocolError("bad_request", "missing field `text`", stream_id=sid)
-        if len(msg.text) > s.max_text_chars:
-            raise ProtocolError(
-                "text_too_long",
-                f"text has {len(msg.text)} characters; the limit is {s.max_text_chars}",
-                stream_id=sid,
-            )
-        try:
-            encoder = make_encoder(msg.format, msg.sample_rate)
-        except UnsupportedAudio as exc:
-            raise ProtocolError("unsupported", str(exc), stream_id=sid) from None
-        if not self.app.scheduler.validate_voice(msg.voice):
-            raise ProtocolError("unsupported", f"unknown voice {msg.voice!r}", stream_id=sid)
-        segments = [
-            seg for seg in split_segments(msg.text, max_chars=s.segment_max_chars) if has_speakable(seg)
-        ]
-        if not segments:
-            raise ProtocolError("bad_request", "text has nothing to speak", stream_id=sid)
-        session = StreamSession(client_id=sid, encoder=encoder, max_unsent_s=s.max_buffered_s)
-        live = LiveStream(slot=self._free_slot(), session=session)
-        live.handle = self.app.scheduler.submit(
-            segments, _params(msg), lambda events: self._on_events(live, events)
+    async def _resume(self, msg: Resume) -> None:
+        stream = self.service.registry.get(msg.stream)
+        if stream is None:
+            raise ProtocolError("unknown_stream", "no stream with this token is held here")
+        session = stream.session
+        previous = session.owner
+        if isinstance(previous, Connection):
+            # The stream moves here; the old attachment stops getting frames.
+            await previous.release(stream)
+        self._check_room(session.client_id)
+        index = session.rewind_to(msg.after_seq)
+        self.service.registry.attach(stream, self)
+        attachment = self._attach(stream)
+        log.info("stream %s resumed after seq %d", redact(stream.token), msg.after_seq)
+        await self._send_json(
+            {
+                "type": "resumed",
+                "id": session.client_id,
+                "slot": attachment.slot,
+                "stream": session.token,
+                "after_seq": msg.after_seq,
+                "format": session.format,
+                "sample_rate": session.sample_rate,
+            }
         )
-        self.app.stream_started()
-        return live
+        self._start_pump(attachment, index)
 
-    def _free_slot(self) -> int:
-        used = {live.slot for live in self.streams.values()}
-        return next(slot for slot in range(len(used) + 1) if slot not in used)
+    def _attach(self, stream: Stream) -> Attachment:
+        used = {a.slot for a in self.attached.values()}
+        slot = next(n for n in range(len(used) + 1) if n not in used)
+        attachment = Attachment(stream, slot)
+        self.attached[stream.session.client_id] = attachment
+        return attachment
 
-    # --- producing -------------------------------------------------------------
+    async def release(self, stream: Stream) -> None:
+        """Stop sending ``stream`` here (it is moving to another connection)."""
+        attachment = self.attached.pop(stream.session.client_id, None)
+        if attachment is not None and attachment.pump is not None:
+            attachment.pump.cancel()
+            await asyncio.gather(attachment.pump, return_exceptions=True)
+        self.service.registry.detach(stream)
 
-    def _on_events(self, live: LiveStream, events: list[StreamEvent]) -> None:
-        """Scheduler events for one stream, on the event loop (must not block)."""
-        session = live.session
-        for event in events:
-            if session.ended:
-                return
-            if isinstance(event, AudioChunk):
-                try:
-                    session.on_audio(event.audio)
-                except BufferOverflow:
-                    self._cancel_stream(live, notify=False)
-                    self.abort("too much unsent audio")
-                    return
-            elif isinstance(event, SegmentStarted):
-                session.on_segment(event.text)
-            elif isinstance(event, StreamEnded):
-                if event.error is not None:
-                    self.app.metrics.errors.labels(code=event.error.code).inc()
-                session.finish(event.reason, event.error)
+    async def _detach(self, attachment: Attachment, *, connection_lost: bool) -> None:
+        """The connection is gone: keep the stream for resume, or free it."""
+        self.attached.pop(attachment.stream.session.client_id, None)
+        if attachment.pump is not None:
+            attachment.pump.cancel()
+            await asyncio.gather(attachment.pump, return_exceptions=True)
+        stream = attachment.stream
+        if stream.session.owner is not self:
+            return  # already moved to another connection
+        if self.service.registry.ttl_s <= 0:
+            await self.service.forget(stream)
+            return
+        self.service.registry.detach(stream)
+        if connection_lost:
+            log.info(
+                "stream %s detached; resumable for %.0f s", redact(stream.token), self.service.registry.ttl_s
+            )
 
-    def _cancel_stream(self, live: LiveStream, *, notify: bool) -> None:
-        if live.handle is not None:
-            live.handle.cancel()
-        if notify:
-            live.session.finish("cancelled")
+    def _on_overflow(self, stream: Stream) -> None:
+        owner = stream.session.owner
+        if isinstance(owner, Connection):
+            owner.abort("too much unsent audio")
 
     # --- sending -----------------------------------------------------------------
 
-    async def _pump(self, live: LiveStream) -> None:
-        """Send the stream's items in order as they appear; free the slot after ``done``."""
-        session = live.session
+    def _start_pump(self, attachment: Attachment, index: int) -> None:
+        attachment.pump = asyncio.create_task(self._pump(attachment, index), name=f"pump-{attachment.slot}")
+
+    async def _pump(self, attachment: Attachment, index: int) -> None:
+        """Send the stream's items in order as they appear; free it after ``done``."""
+        stream = attachment.stream
+        session = stream.session
         metrics = self.app.metrics
-        index = session.sent_index
         try:
             while True:
                 item = session.item(index)
@@ -231,24 +231,26 @@ class Connection:
                     continue
                 if item.is_frame:
                     header = FrameHeader(
-                        flags=item.flags, slot=live.slot, seq=item.position, sample=item.sample
+                        flags=item.flags, slot=attachment.slot, seq=item.position, sample=item.sample
                     )
                     data = protocol.pack_frame(header, item.payload)
                     await self._send(data)
                     if session.first_frame_at is None:
                         session.first_frame_at = time.monotonic()
-                        metrics.time_to_first_audio.observe(session.first_frame_at - live.started_at)
+                        metrics.time_to_first_audio.observe(session.first_frame_at - session.created)
                     metrics.frames_sent.inc()
                     metrics.bytes_sent.inc(len(data))
                 else:
                     assert item.message is not None
-                    await self._send_json({**item.message, "slot": live.slot})
+                    await self._send_json({**item.message, "slot": attachment.slot})
                 index += 1
                 session.mark_sent(index)
         except (ConnectionClosed, _Aborted):
             return
-        self.streams.pop(session.client_id, None)
-        self.app.stream_finished(session.done_reason or "error")
+        self.attached.pop(session.client_id, None)
+        if stream.error_code is not None:
+            metrics.errors.labels(code=stream.error_code).inc()
+        await self.service.forget(stream)
         await self.close_if_idle_while_draining()
 
     async def _send(self, data: str | bytes) -> None:
@@ -266,18 +268,5 @@ class Connection:
 
     async def _send_error(self, err: ProtocolError) -> None:
         self.app.metrics.errors.labels(code=err.code).inc()
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(ConnectionClosed, _Aborted):
             await self._send_json(protocol.error(err))
-
-
-def _params(msg: Start) -> SynthesisParams:
-    """Synthesis parameters of a ``start``; unset sampling controls keep the model's defaults."""
-    defaults = SynthesisParams()
-    return SynthesisParams(
-        voice=msg.voice,
-        speed=msg.speed,
-        seed=msg.seed,
-        temperature=defaults.temperature if msg.temperature is None else msg.temperature,
-        top_p=defaults.top_p if msg.top_p is None else msg.top_p,
-        top_k=defaults.top_k if msg.top_k is None else msg.top_k,
-    )

@@ -1,12 +1,12 @@
-"""Per-stream state: numbering frames, segment marks, and the bounded outbox.
+"""Per-stream state: numbering frames, segment marks, the replay buffer, resume tokens.
 
-A :class:`StreamSession` turns the scheduler's events (segment starts, native
-audio, the end) into the ordered items a client must receive: ``segment``
-messages, binary frames (seq, sample offset, flags, payload) and ``done``.
-The items stay in an outbox so that a sender can fall behind, and so that a
-resumed connection can be served from any seq still held. Slot numbers are
-not stored: they belong to the connection a stream is attached to and are
-added when sending. No sockets and no model here.
+A :class:`StreamSession` turns a stream's encoded frames, segment starts and
+end into the ordered items a client must receive: ``segment`` messages,
+binary frames (seq, sample offset, flags, payload) and ``done``. The items
+stay in a bounded replay buffer, so that a sender can fall behind and a
+client that reconnects can ``resume`` from any seq still held. Slot numbers
+are not stored: they belong to the connection a stream is attached to and
+are added when sending. No sockets, no model, no encoder here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from server.audio.base import EncodedFrame, FrameEncoder
-from server.engine.base import NATIVE_SAMPLE_RATE, AudioArray
+from server.audio.base import EncodedFrame
+from server.engine.base import NATIVE_SAMPLE_RATE
 from server.protocol import FLAG_LAST, FLAG_SEGMENT_START, DoneReason, ProtocolError
 
 
@@ -57,38 +57,71 @@ class BufferOverflow(ProtocolError):
         super().__init__("internal", "too much unsent audio: the connection is not reading")
 
 
+class ResumeExpired(ProtocolError):
+    """Frames the client still needs were evicted from the replay buffer."""
+
+    def __init__(self, after_seq: int, kept_from: int) -> None:
+        super().__init__(
+            "resume_expired",
+            f"frames after seq {after_seq} are no longer held (the buffer starts after seq {kept_from})",
+        )
+
+
 def new_stream_token() -> str:
     """An unguessable stream token: 192 random bits, URL-safe."""
     return secrets.token_urlsafe(24)
 
 
+def redact(token: str) -> str:
+    """A token as it may appear in logs: enough to correlate, useless to resume."""
+    return token[:6] + "…"
+
+
 class StreamSession:
-    """Numbering and buffering of one stream's output (event-loop side, no I/O)."""
+    """Numbering and buffering of one stream's output (event-loop side, no I/O).
+
+    Memory is bounded twice: while a connection is attached, more than
+    ``max_unsent_s`` of audio not yet handed to its socket raises
+    :class:`BufferOverflow` (the caller aborts that connection); and items
+    beyond ``replay_max_s`` seconds of audio or ``replay_max_bytes`` bytes are
+    evicted oldest first, never an item the attached sender has not sent yet.
+    """
 
     def __init__(
         self,
         *,
         client_id: str,
-        encoder: FrameEncoder,
+        fmt: str,
+        sample_rate: int,
         max_unsent_s: float,
+        replay_max_s: float,
+        replay_max_bytes: int,
         token: str | None = None,
     ) -> None:
         self.client_id = client_id
         self.token = token or new_stream_token()
-        self.encoder = encoder
-        self.sample_rate = encoder.sample_rate
+        self.format = fmt
+        self.sample_rate = sample_rate
         self.created = time.monotonic()
         self.first_frame_at: float | None = None
         self._items: deque[OutItem] = deque()
         self._base = 0  # absolute index of self._items[0]
+        self._held_bytes = 0
+        self._held_samples = 0
+        self._evicted_position = -1  # highest position evicted so far
         self._next_seq = 0
         self._next_sample = 0  # output samples numbered so far
         self._native_in = 0  # native samples received so far
         self._marks: deque[tuple[int, str]] = deque()  # (output sample offset, text)
-        self._max_unsent_samples = int(max_unsent_s * self.sample_rate)
+        self._max_unsent_samples = int(max_unsent_s * sample_rate)
+        self._replay_max_samples = int(replay_max_s * sample_rate)
+        self._replay_max_bytes = replay_max_bytes
         self.done_reason: DoneReason | None = None
         self.changed = asyncio.Event()
-        self.sent_index = 0  # absolute index of the next item to send
+        #: The connection this stream is attached to (None: detached).
+        self.owner: object | None = None
+        self.detached_at: float | None = None
+        self.sent_index = 0  # absolute index of the next item the attached sender sends
         self._sent_samples = 0
 
     # --- producing -----------------------------------------------------------
@@ -103,27 +136,35 @@ class StreamSession:
         """Absolute index one past the last item."""
         return self._base + len(self._items)
 
+    @property
+    def held_bytes(self) -> int:
+        """Payload bytes in the replay buffer (the bounded quantity)."""
+        return self._held_bytes
+
     def on_segment(self, text: str) -> None:
         """A new text segment starts with the next native sample."""
         offset = self._native_in * self.sample_rate // NATIVE_SAMPLE_RATE
         self._marks.append((offset, text))
 
-    def on_audio(self, audio: AudioArray) -> None:
-        """Encode and number native-rate audio.
+    def on_frames(self, frames: list[EncodedFrame], native_samples: int) -> None:
+        """Number frames encoded from ``native_samples`` more native-rate samples.
 
         Raises:
-            BufferOverflow: more than ``max_unsent_s`` of audio waits to be sent.
+            BufferOverflow: attached, and more than ``max_unsent_s`` waits to be sent.
         """
-        self._native_in += len(audio)
-        self._add_frames(self.encoder.push(audio), last=False)
-        if self.unsent_samples > self._max_unsent_samples:
+        self._native_in += native_samples
+        self._add_frames(frames, last=False)
+        self._evict()
+        if self.owner is not None and self.unsent_samples > self._max_unsent_samples:
             raise BufferOverflow()
 
-    def finish(self, reason: DoneReason, error: ProtocolError | None = None) -> None:
-        """Flush the encoder, mark the last frame and queue ``error``/``done``."""
+    def finish(
+        self, reason: DoneReason, final_frames: list[EncodedFrame], error: ProtocolError | None = None
+    ) -> None:
+        """Add the encoder's last frames, mark the last one and queue ``error``/``done``."""
         if self.ended:
             return
-        self._add_frames(self.encoder.finish(), last=True)
+        self._add_frames(final_frames, last=True)
         self.done_reason = reason
         if error is not None:
             message = {"type": "error", "id": self.client_id, "code": error.code, "message": error.message}
@@ -136,6 +177,7 @@ class StreamSession:
             "samples": self._next_sample,
         }
         self._append(OutItem(self._next_seq, message=done))
+        self._evict()
 
     def _add_frames(self, frames: list[EncodedFrame], *, last: bool) -> None:
         if last and not frames:
@@ -165,13 +207,35 @@ class StreamSession:
 
     def _append(self, item: OutItem) -> None:
         self._items.append(item)
+        self._held_bytes += len(item.payload)
+        self._held_samples += item.samples
         self.changed.set()
+
+    def _evict(self) -> None:
+        """Drop the oldest items beyond the replay bounds (never unsent ones while attached)."""
+        limit = self.sent_index if self.owner is not None else self.end_index
+        while (
+            self._items
+            and self._base < limit
+            and (self._held_bytes > self._replay_max_bytes or self._held_samples > self._replay_max_samples)
+        ):
+            self._pop_front()
+
+    def _pop_front(self) -> None:
+        item = self._items.popleft()
+        self._base += 1
+        self._held_bytes -= len(item.payload)
+        self._held_samples -= item.samples
+        self._evicted_position = max(self._evicted_position, item.position)
+        if self.sent_index < self._base:  # detached: what was evicted can never be sent
+            self._sent_samples += item.samples
+            self.sent_index = self._base
 
     # --- consuming -----------------------------------------------------------
 
     @property
     def unsent_samples(self) -> int:
-        """Output samples numbered but not yet handed to the socket."""
+        """Output samples numbered but not yet handed to the attached socket."""
         return self._next_sample - self._sent_samples
 
     def item(self, index: int) -> OutItem | None:
@@ -186,10 +250,30 @@ class StreamSession:
         return self._items[offset] if offset < len(self._items) else None
 
     def mark_sent(self, index: int) -> None:
-        """Everything before absolute ``index`` is on the socket; drop what nobody needs."""
+        """Everything before absolute ``index`` is on the socket."""
         for i in range(self.sent_index, index):
             self._sent_samples += self._items[i - self._base].samples
         self.sent_index = index
-        while self._base < index and self._items:
-            self._items.popleft()
-            self._base += 1
+        self._evict()
+
+    def rewind_to(self, after_seq: int) -> int:
+        """Point the sender at the first item a client that has ``after_seq`` still needs.
+
+        Returns:
+            The absolute index to send from.
+
+        Raises:
+            ResumeExpired: an item it needs was evicted.
+        """
+        if after_seq < self._evicted_position:
+            raise ResumeExpired(after_seq, self._evicted_position)
+        index = self._base
+        while index < self.end_index and self._items[index - self._base].position <= after_seq:
+            index += 1
+        # Frames are contiguous: what was sent before ``index`` ends where the next frame starts.
+        self._sent_samples = next(
+            (item.sample for item in list(self._items)[index - self._base :] if item.is_frame),
+            self._next_sample,
+        )
+        self.sent_index = index
+        return index

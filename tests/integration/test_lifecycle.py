@@ -7,6 +7,7 @@ import json
 import socket
 from typing import Any
 
+import pytest
 from websockets.asyncio.client import connect
 
 from server.app import App
@@ -54,8 +55,9 @@ async def test_cancel_mid_stream_frees_slot_and_engine_work(make_app: Any) -> No
     await ws.close()
 
 
-async def test_disconnect_mid_stream_frees_engine_work(make_app: Any) -> None:
-    app = await make_app("--fake-step-ms", "10")
+@pytest.mark.parametrize("ttl", ["0", "0.5"])
+async def test_disconnect_mid_stream_frees_engine_work_after_the_resume_ttl(make_app: Any, ttl: str) -> None:
+    app = await make_app("--fake-step-ms", "60", "--resume-ttl-s", ttl)
     ws, _ = await open_client(app.port)
     await start(ws, id="d", text=LONG_TEXT, seed=1)
     while not isinstance(await ws.recv(), bytes):
@@ -63,8 +65,13 @@ async def test_disconnect_mid_stream_frees_engine_work(make_app: Any) -> None:
     engine = fake_engine(app)
     assert engine.live_sequences > 0
     await ws.close()
+    if ttl != "0":
+        # Detached, not cancelled: generation goes on while the stream waits for a resume.
+        await wait_until(lambda: len(app.connections) == 0)
+        assert engine.live_sequences > 0 and app.active_streams == 1
     await wait_until(lambda: engine.live_sequences == 0)
     await wait_until(lambda: app.active_streams == 0)
+    assert any(kind == "drop" for kind, _ in engine.events)
 
 
 async def test_200_concurrent_connections_complete_without_errors(app: App) -> None:
@@ -84,7 +91,9 @@ async def test_200_concurrent_connections_complete_without_errors(app: App) -> N
 
 
 async def test_client_that_never_reads_is_aborted_and_others_are_unharmed(make_app: Any) -> None:
-    app = await make_app("--send-timeout-s", "0.5", "--max-buffered-s", "5", "--fake-step-ms", "1")
+    app = await make_app(
+        "--send-timeout-s", "0.5", "--max-buffered-s", "5", "--fake-step-ms", "1", "--resume-ttl-s", "0"
+    )
     # max_queue=1 and a tiny receive buffer: this client stops reading almost at once.
     stalled = await connect(url(app.port), compression=None, max_queue=1, max_size=None)
     await stalled.recv()  # hello

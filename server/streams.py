@@ -1,0 +1,161 @@
+"""Streams that outlive their connection: output pipeline, registry by token, TTL.
+
+A :class:`Stream` is what the scheduler feeds: it runs the stream's events
+through its encoder into its :class:`~server.session.StreamSession`, whether
+or not a connection is attached. Light formats (PCM) are encoded inline on
+the event loop; CPU-heavy ones (Opus, Ogg) in a worker thread, one call at
+a time per stream (encoders are stateful), so the event loop never waits for
+libopus. :class:`StreamRegistry` holds every live stream by its token,
+detaches streams whose connection is gone and expires them after the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from server.audio import CPU_HEAVY_FORMATS
+from server.audio.base import EncodedFrame, FrameEncoder
+from server.scheduler import AudioChunk, ScheduledStream, SegmentStarted, StreamEnded, StreamEvent
+from server.session import BufferOverflow, StreamSession, redact
+
+log = logging.getLogger(__name__)
+
+
+class Stream:
+    """One stream's output side, independent of any connection."""
+
+    def __init__(
+        self,
+        session: StreamSession,
+        encoder: FrameEncoder,
+        *,
+        pool: Executor,
+        on_overflow: Callable[[Stream], None],
+    ) -> None:
+        self.session = session
+        self.encoder = encoder
+        self.handle: ScheduledStream | None = None
+        self._pool = pool if encoder.format in CPU_HEAVY_FORMATS else None
+        self._on_overflow = on_overflow
+        self._inbox: deque[StreamEvent] = deque()
+        self._worker: asyncio.Task[None] | None = None
+        self.error_code: str | None = None
+
+    @property
+    def token(self) -> str:
+        """The stream's resume token."""
+        return self.session.token
+
+    def feed(self, events: list[StreamEvent]) -> None:
+        """Scheduler events, on the event loop, in order (the scheduler's sink)."""
+        if self._pool is None:
+            for event in events:
+                self._apply_inline(event)
+            return
+        self._inbox.extend(events)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain(), name=f"encode-{redact(self.token)}")
+
+    def _apply_inline(self, event: StreamEvent) -> None:
+        session = self.session
+        if session.ended:
+            return
+        if isinstance(event, SegmentStarted):
+            session.on_segment(event.text)
+        elif isinstance(event, AudioChunk):
+            self._add(self.encoder.push(event.audio), len(event.audio))
+        else:
+            self._end(event, self.encoder.finish())
+
+    async def _drain(self) -> None:
+        """Encode queued events in a worker thread, one at a time, in order."""
+        loop = asyncio.get_running_loop()
+        session = self.session
+        while self._inbox and not session.ended:
+            event = self._inbox.popleft()
+            if isinstance(event, SegmentStarted):
+                session.on_segment(event.text)
+            elif isinstance(event, AudioChunk):
+                frames = await loop.run_in_executor(self._pool, self.encoder.push, event.audio)
+                self._add(frames, len(event.audio))
+            else:
+                self._end(event, await loop.run_in_executor(self._pool, self.encoder.finish))
+        self._inbox.clear()
+
+    def _add(self, frames: list[EncodedFrame], native_samples: int) -> None:
+        try:
+            self.session.on_frames(frames, native_samples)
+        except BufferOverflow:
+            self._on_overflow(self)
+
+    def _end(self, event: StreamEnded, final_frames: list[EncodedFrame]) -> None:
+        if event.error is not None:
+            self.error_code = event.error.code
+        self.session.finish(event.reason, final_frames, event.error)
+
+    def cancel(self) -> None:
+        """Stop generation and end the stream with ``done`` reason ``cancelled``."""
+        if self.handle is not None:
+            self.handle.cancel()
+        self.feed([StreamEnded("cancelled")])
+
+    async def aclose(self) -> None:
+        """Stop generation and the encoding worker (the stream is being forgotten)."""
+        if self.handle is not None:
+            self.handle.cancel()
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+
+
+class StreamRegistry:
+    """Every live stream by token; detached ones expire ``ttl_s`` after losing their connection."""
+
+    def __init__(self, *, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._streams: dict[str, Stream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def add(self, stream: Stream, owner: object) -> None:
+        """Register a new stream, attached to ``owner`` (a connection)."""
+        self._streams[stream.token] = stream
+        self.attach(stream, owner)
+
+    def get(self, token: str) -> Stream | None:
+        """The stream with this token, if it is still held."""
+        return self._streams.get(token)
+
+    def remove(self, stream: Stream) -> None:
+        """Forget a stream (its ``done`` was delivered, or it expired)."""
+        self._streams.pop(stream.token, None)
+
+    def attach(self, stream: Stream, owner: object) -> None:
+        """``owner`` now sends this stream's items."""
+        stream.session.owner = owner
+        stream.session.detached_at = None
+
+    def detach(self, stream: Stream) -> None:
+        """The stream lost its connection; its TTL starts now."""
+        stream.session.owner = None
+        stream.session.detached_at = self._clock()
+
+    def expired(self) -> list[Stream]:
+        """Detached streams whose TTL has passed (the caller closes and removes them)."""
+        now = self._clock()
+        return [
+            s
+            for s in self._streams.values()
+            if s.session.detached_at is not None and now - s.session.detached_at >= self.ttl_s
+        ]
+
+    def all(self) -> list[Stream]:
+        """Every held stream."""
+        return list(self._streams.values())
