@@ -109,8 +109,8 @@ class App:
 
     @property
     def active_streams(self) -> int:
-        """Streams held (running, or waiting to be sent or resumed)."""
-        return len(self.service.registry)
+        """Streams not yet delivered (running, being sent, or waiting for a resume)."""
+        return self.service.registry.active
 
     def _busy_streams(self) -> int:
         """Streams a drain waits for: unfinished, or with items left for a live connection."""

@@ -56,6 +56,9 @@ class Settings:
     resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed (0: cancel at once)")
     replay_max_s: float = _opt(60.0, "audio (seconds) a stream keeps for resume, oldest evicted first")
     replay_max_bytes: int = _opt(8 * 1024 * 1024, "bytes a stream keeps for resume, oldest evicted first")
+    replay_total_bytes: int = _opt(
+        256 * 1024 * 1024, "bytes all replay buffers may hold; delivered ones go first"
+    )
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")

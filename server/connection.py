@@ -250,7 +250,7 @@ class Connection:
         self.attached.pop(session.client_id, None)
         if stream.error_code is not None:
             metrics.errors.labels(code=stream.error_code).inc()
-        await self.service.forget(stream)
+        self.service.delivered(stream)
         await self.close_if_idle_while_draining()
 
     async def _send(self, data: str | bytes) -> None:

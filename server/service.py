@@ -86,14 +86,24 @@ class SpeechService:
         stream = Stream(session, encoder, pool=self.encode_pool, on_overflow=on_overflow)
         stream.handle = self.scheduler.submit(segments, params_of(msg), stream.feed)
         self.registry.add(stream, owner)
-        self.metrics.active_streams.set(len(self.registry))
+        self.metrics.active_streams.set(self.registry.active)
         return stream
+
+    def delivered(self, stream: Stream) -> None:
+        """A stream's ``done`` was sent: count it, keep it briefly for a late resume."""
+        self.metrics.streams_total.labels(reason=stream.session.done_reason or "error").inc()
+        if self.registry.ttl_s <= 0:
+            self.registry.remove(stream)
+        else:
+            self.registry.linger(stream)
+        self.metrics.active_streams.set(self.registry.active)
 
     async def forget(self, stream: Stream) -> None:
         """Stop a stream's work and drop it from the registry."""
         self.registry.remove(stream)
-        self.metrics.active_streams.set(len(self.registry))
-        self.metrics.streams_total.labels(reason=stream.session.done_reason or "expired").inc()
+        self.metrics.active_streams.set(self.registry.active)
+        if not stream.delivered:
+            self.metrics.streams_total.labels(reason="expired").inc()
         await stream.aclose()
 
     # --- the TTL sweeper -------------------------------------------------------
@@ -110,11 +120,12 @@ class SpeechService:
     async def sweep(self) -> None:
         """Cancel and free every detached stream whose resume TTL has passed."""
         for stream in self.registry.expired():
-            log.info(
-                "stream %s expired %.0f s after its connection was lost",
-                redact(stream.token),
-                self.registry.ttl_s,
-            )
+            if not stream.delivered:
+                log.info(
+                    "stream %s expired: not resumed within %.0f s", redact(stream.token), self.registry.ttl_s
+                )
+            await self.forget(stream)
+        for stream in self.registry.over_budget(self.settings.replay_total_bytes):
             await self.forget(stream)
 
     async def stop(self) -> None:

@@ -45,6 +45,9 @@ class Stream:
         self._inbox: deque[StreamEvent] = deque()
         self._worker: asyncio.Task[None] | None = None
         self.error_code: str | None = None
+        #: ``done`` went out on a live connection; the stream is kept for the TTL only in
+        #: case the client lost the connection before it got the last bytes.
+        self.delivered = False
 
     @property
     def token(self) -> str:
@@ -146,6 +149,28 @@ class StreamRegistry:
         """The stream lost its connection; its TTL starts now."""
         stream.session.owner = None
         stream.session.detached_at = self._clock()
+
+    def linger(self, stream: Stream) -> None:
+        """``done`` was handed to the socket: keep the stream for the TTL, first to go under pressure."""
+        stream.delivered = True
+        self.detach(stream)
+
+    @property
+    def active(self) -> int:
+        """Streams not yet delivered (running, being sent, or waiting for a resume)."""
+        return sum(1 for s in self._streams.values() if not s.delivered)
+
+    def over_budget(self, max_bytes: int) -> list[Stream]:
+        """Delivered streams to drop, oldest first, so all replay buffers fit ``max_bytes``."""
+        total = sum(s.session.held_bytes for s in self._streams.values())
+        victims = []
+        for stream in self._streams.values():  # dicts keep insertion order: oldest first
+            if total <= max_bytes:
+                break
+            if stream.delivered:
+                victims.append(stream)
+                total -= stream.session.held_bytes
+        return victims
 
     def expired(self) -> list[Stream]:
         """Detached streams whose TTL has passed (the caller closes and removes them)."""

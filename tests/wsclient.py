@@ -71,7 +71,7 @@ async def collect(ws: ClientConnection, ids: set[str]) -> dict[str, StreamLog]:
             raise AssertionError(f"unexpected message {msg}")
         log = logs[sid]
         log.order.append(f"segment:{msg['seq']}" if msg["type"] == "segment" else msg["type"])
-        if msg["type"] == "started":
+        if msg["type"] in ("started", "resumed"):
             log.started = msg
             by_slot[msg["slot"]] = sid
         elif msg["type"] == "segment":
