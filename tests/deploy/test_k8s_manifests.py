@@ -1,0 +1,342 @@
+"""Offline checks of the Kubernetes manifests in deploy/k8s (no cluster needed).
+
+Every manifest is validated against the Kubernetes OpenAPI schemas that the
+``kubernetes-validate`` package ships (strict: unknown fields fail), with the
+network blocked to prove it stays offline; then the things a schema cannot
+see are checked across files: probes, shutdown timing, the HPA's target and
+metrics, the ingress hash key, selectors, and the CHATTTS_* settings.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from server.config import Settings, load_settings
+from server.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+ADAPTER = ROOT / "deploy" / "prometheus-adapter"
+INGRESS_NGINX_VALUES = ROOT / "deploy" / "ingress-nginx" / "values.yaml"
+#: Oldest Kubernetes minor the manifests support, and the newest the schemas know.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+#: Custom resources (no schema in kubernetes-validate): checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
+NOT_MANIFESTS = {"kustomization.yaml"}
+
+Doc = dict[str, Any]
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.y*ml") if p.name not in NOT_MANIFESTS)
+
+
+def load_docs(path: Path) -> list[Doc]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+ALL_DOCS = [(path, doc) for path in manifest_files() for doc in load_docs(path)]
+
+
+def one(kind: str) -> Doc:
+    found = [doc for _, doc in ALL_DOCS if doc["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def container() -> Doc:
+    containers = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: Doc = containers[0]
+    return result
+
+
+def container_env() -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container().get("env", []) if "value" in e}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail any attempt to resolve or connect: schema validation must be offline."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    yield
+
+
+# --- schemas ---------------------------------------------------------------------------
+
+
+def test_the_expected_manifests_exist() -> None:
+    kinds = sorted(doc["kind"] for _, doc in ALL_DOCS)
+    for kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "Ingress", "PodDisruptionBudget"):
+        assert kind in kinds
+    for path, doc in ALL_DOCS:
+        assert doc.get("apiVersion") and doc.get("metadata", {}).get("name"), path
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(
+    ("path", "doc"),
+    [pytest.param(p, d, id=f"{p.name}:{d['kind']}") for p, d in ALL_DOCS if d["kind"] not in CRD_KINDS],
+)
+def test_manifest_matches_the_kubernetes_schema(path: Path, doc: Doc, version: str, no_network: None) -> None:
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        pytest.fail(f"{path.name} ({doc['kind']}) against {version}: {where}: {exc.message}")
+
+
+def test_the_validator_does_reject_a_bad_manifest(no_network: None) -> None:
+    """The schema test can fail: a misspelt field and a wrong type are caught."""
+    bad = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+    bad = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    bad["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_the_manifests() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    crd_files = {p.name for p, d in ALL_DOCS if d["kind"] in CRD_KINDS}
+    assert listed == {p.name for p in manifest_files()} - crd_files
+    image = container()["image"].split(":")[0]
+    assert [i["name"] for i in kustomization.get("images", [])] == [image]
+
+
+# --- the pod -----------------------------------------------------------------------------
+
+
+def test_deployment_selector_matches_its_pods() -> None:
+    deployment = one("Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+
+
+def test_probes_hit_health_and_ready_on_the_container_port() -> None:
+    c = container()
+    port = int(container_env().get("CHATTTS_PORT", Settings().port))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert port in ports.values()
+
+    def probe_port(probe: Doc) -> int:
+        target = probe["httpGet"]["port"]
+        return int(ports[target] if isinstance(target, str) else target)
+
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["startupProbe"]["httpGet"]["path"] in ("/health", "/ready")
+    for name in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert probe_port(c[name]) == port, name
+    # Model load (and the first download of the weights) takes minutes.
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def _prestop_seconds(c: Doc) -> float:
+    pre_stop = c["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        return float(pre_stop["sleep"]["seconds"])
+    command = pre_stop["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+def test_grace_period_covers_prestop_and_drain() -> None:
+    pod = one("Deployment")["spec"]["template"]["spec"]
+    c = container()
+    pre_stop = _prestop_seconds(c)
+    drain = float(container_env().get("CHATTTS_DRAIN_TIMEOUT_S", Settings().drain_timeout_s))
+    # The endpoint must be gone from the ingress before SIGTERM starts the drain.
+    assert pre_stop >= 5
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain
+
+
+def test_one_gpu_per_pod_and_resource_requests() -> None:
+    resources = container()["resources"]
+    assert str(resources["limits"]["nvidia.com/gpu"]) == "1"
+    assert str(resources["requests"].get("nvidia.com/gpu", "1")) == "1"
+    assert {"cpu", "memory"} <= set(resources["requests"])
+    assert "memory" in resources["limits"]
+
+
+def test_chattts_env_are_real_settings_and_parse() -> None:
+    env = container_env()
+    names = {f"CHATTTS_{name.upper()}" for name in Settings.__dataclass_fields__}
+    chattts = {k: v for k, v in env.items() if k.startswith("CHATTTS_")}
+    assert set(chattts) <= names, set(chattts) - names
+    settings = load_settings([], env=chattts)  # the server's own parser and types
+    assert settings.host == "0.0.0.0"
+    assert settings.device.startswith("cuda")
+    assert settings.cache_dir == "/models" or settings.model_dir
+    assert settings.max_queue >= settings.max_batch
+
+
+def test_weights_volume_and_writable_tmp() -> None:
+    pod = one("Deployment")["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    weights = volumes[mounts["/models"]]
+    claim = weights["persistentVolumeClaim"]["claimName"]
+    assert one("PersistentVolumeClaim")["metadata"]["name"] == claim
+    if container()["securityContext"].get("readOnlyRootFilesystem"):
+        assert "emptyDir" in volumes[mounts["/tmp"]]
+        env = container_env()
+        for var in ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR"):
+            assert env[var].startswith("/tmp/"), var
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_scrape_annotations_point_at_metrics() -> None:
+    annotations = one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) in [p["containerPort"] for p in container()["ports"]]
+
+
+# --- service, ingress, disruption budget ------------------------------------------------
+
+
+def test_service_selects_the_pods_and_targets_the_container_port() -> None:
+    service = one("Service")
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], labels)
+    port_names = {p["name"] for p in container()["ports"]}
+    port_numbers = {p["containerPort"] for p in container()["ports"]}
+    for port in service["spec"]["ports"]:
+        assert port["targetPort"] in port_names | port_numbers
+
+
+def test_ingress_hashes_on_the_resume_token_and_spreads_new_streams() -> None:
+    ingress = one("Ingress")
+    annotations = ingress["metadata"]["annotations"]
+    hash_by = annotations["nginx.ingress.kubernetes.io/upstream-hash-by"]
+    if hash_by != "$arg_resume":
+        # A variable that the controller's http-snippet maps from $arg_resume; a bare
+        # $arg_resume would hash every new connection ("" key) to one pod.
+        variable = re.fullmatch(r"\$(\w+)", hash_by)
+        assert variable, hash_by
+        snippet = yaml.safe_load(INGRESS_NGINX_VALUES.read_text())["controller"]["config"]["http-snippet"]
+        block = re.search(r"map\s+\$arg_resume\s+\$" + variable.group(1) + r"\s*\{(.*?)\}", snippet, re.S)
+        assert block, f"no `map $arg_resume ${variable.group(1)}` in {INGRESS_NGINX_VALUES}"
+        entries = dict(
+            line.strip().rstrip(";").split(None, 1) for line in block.group(1).splitlines() if line.strip()
+        )
+        assert entries["default"] == "$arg_resume"
+        assert entries['""'] in ("$request_id", "$http_sec_websocket_key"), entries
+    # Hashing needs the pod endpoints, not the Service's virtual IP.
+    assert annotations.get("nginx.ingress.kubernetes.io/service-upstream", "false") != "true"
+    # WebSocket streams must outlive nginx's default 60 s proxy timeouts.
+    for key in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert int(annotations[f"nginx.ingress.kubernetes.io/{key}"]) >= 300, key
+    # The stream endpoint is routed to the Service's port; /metrics is not public.
+    service = one("Service")
+    service_ports = {p["name"] for p in service["spec"]["ports"]} | {
+        p["port"] for p in service["spec"]["ports"]
+    }
+    paths = {}
+    for rule in ingress["spec"]["rules"]:
+        for path in rule["http"]["paths"]:
+            backend = path["backend"]["service"]
+            assert backend["name"] == service["metadata"]["name"]
+            assert backend["port"].get("name", backend["port"].get("number")) in service_ports
+            paths[path["path"]] = path["pathType"]
+    assert "/v1/stream" in paths
+    assert not any(p == "/" and t == "Prefix" for p, t in paths.items()), "/ Prefix would publish /metrics"
+
+
+def test_pdb_selects_the_pods_and_allows_one_eviction() -> None:
+    pdb = one("PodDisruptionBudget")
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    min_replicas = one("HorizontalPodAutoscaler")["spec"]["minReplicas"]
+    if "maxUnavailable" in pdb["spec"]:
+        assert int(pdb["spec"]["maxUnavailable"]) >= 1
+    else:
+        assert int(pdb["spec"]["minAvailable"]) < min_replicas, "a drain could never evict a pod"
+
+
+def test_servicemonitor_scrapes_the_service() -> None:
+    monitors = [doc for _, doc in ALL_DOCS if doc["kind"] == "ServiceMonitor"]
+    service = one("Service")
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["path"] == "/metrics"
+            assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+# --- autoscaling ------------------------------------------------------------------------------
+
+
+def exported_metric_names() -> set[str]:
+    text = Metrics().render().decode()
+    return set(re.findall(r"^# TYPE (\w+) ", text, re.M))
+
+
+def adapter_rules() -> list[Doc]:
+    rules: list[Doc] = yaml.safe_load((ADAPTER / "rules.yaml").read_text())["rules"]
+    return rules
+
+
+def test_hpa_scales_the_deployment_on_streams_with_cpu_fallback() -> None:
+    hpa = one("HorizontalPodAutoscaler")
+    deployment = one("Deployment")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"],
+        "Deployment",
+        deployment["metadata"]["name"],
+    )
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    metrics = hpa["spec"]["metrics"]
+    pods = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in metrics if m["type"] == "Pods"}
+    assert "chattts_active_streams" in pods
+    # The per-pod stream target stays below what one batch can run.
+    max_batch = int(container_env().get("CHATTTS_MAX_BATCH", Settings().max_batch))
+    assert 0 < float(pods["chattts_active_streams"]["averageValue"]) <= max_batch
+    assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in metrics)
+    # The load metrics are real gauges of the server, served by the adapter.
+    served = {rule["name"]["as"] for rule in adapter_rules()}
+    assert set(pods) <= served
+    assert set(pods) <= exported_metric_names()
+
+
+def test_adapter_rules_expose_server_gauges_per_pod() -> None:
+    exported = exported_metric_names()
+    for rule in adapter_rules():
+        series = re.match(r"(\w+)\{", rule["seriesQuery"])
+        assert series and series.group(1) in exported, rule["seriesQuery"]
+        assert re.fullmatch(rule["name"]["matches"], series.group(1))
+        overrides = rule["resources"]["overrides"]
+        assert overrides["pod"]["resource"] == "pod"
+        assert overrides["namespace"]["resource"] == "namespace"
+        for placeholder in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
+            assert placeholder in rule["metricsQuery"]
+
+
+def test_adapter_helm_values_carry_the_same_rules() -> None:
+    values = yaml.safe_load((ADAPTER / "values.yaml").read_text())
+    assert values["rules"]["custom"] == adapter_rules()
