@@ -44,6 +44,10 @@ class Settings:
     )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
+    max_buffer_delay_ms: float = _opt(
+        800.0, "incremental streams: speak a stalled clause after this long without text"
+    )
+    max_pending_chars: int = _opt(1000, "incremental streams: text waiting for a sentence end, at most")
     segment_max_chars: int = _opt(120, "longest text segment given to the model at once")
     max_streams: int = _opt(4, "concurrent streams per connection")
     max_connections: int = _opt(2000, "concurrent WebSocket connections per process")

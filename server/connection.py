@@ -22,6 +22,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from server import protocol
+from server.incremental import TextFeed
 from server.protocol import Cancel, ClientMessage, FrameHeader, ProtocolError, Resume, Start
 from server.session import redact
 from server.streams import Stream
@@ -109,9 +110,18 @@ class Connection:
         elif isinstance(message, Resume):
             await self._resume(message)
         else:
+            self._text_feed(message.id).apply(message)
+
+    def _text_feed(self, sid: str) -> TextFeed:
+        attachment = self.attached.get(sid)
+        if attachment is None:
+            raise ProtocolError("bad_request", f"no live stream with id {sid!r}", stream_id=sid)
+        feed = attachment.stream.text_feed
+        if feed is None:
             raise ProtocolError(
-                "unsupported", f"message type {message.__class__.__name__.lower()!r} is not available yet"
+                "bad_request", f"stream {sid!r} was not started with `incremental`", stream_id=sid
             )
+        return feed
 
     def _check_room(self, sid: str) -> None:
         if sid in self.attached:

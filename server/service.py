@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from server.audio import UnsupportedAudio, make_encoder
 from server.config import Settings
 from server.engine.base import SynthesisParams
+from server.incremental import TextFeed
 from server.metrics import Metrics
 from server.protocol import ProtocolError, Start
 from server.scheduler import Scheduler
@@ -54,11 +55,9 @@ class SpeechService:
         sid = msg.id
         if self.draining:
             raise ProtocolError("shutting_down", "the server is draining; reconnect elsewhere", stream_id=sid)
-        if msg.incremental:
-            raise ProtocolError("unsupported", "incremental streams are not available yet", stream_id=sid)
-        if msg.text is None:
+        if msg.text is None and not msg.incremental:
             raise ProtocolError("bad_request", "missing field `text`", stream_id=sid)
-        if len(msg.text) > s.max_text_chars:
+        if msg.text is not None and len(msg.text) > s.max_text_chars:
             raise ProtocolError(
                 "text_too_long",
                 f"text has {len(msg.text)} characters; the limit is {s.max_text_chars}",
@@ -70,11 +69,24 @@ class SpeechService:
             raise ProtocolError("unsupported", str(exc), stream_id=sid) from None
         if not self.scheduler.validate_voice(msg.voice):
             raise ProtocolError("unsupported", f"unknown voice {msg.voice!r}", stream_id=sid)
-        segments = [
-            seg for seg in split_segments(msg.text, max_chars=s.segment_max_chars) if has_speakable(seg)
-        ]
-        if not segments:
-            raise ProtocolError("bad_request", "text has nothing to speak", stream_id=sid)
+        feed = None
+        if msg.incremental:
+            delay_ms = s.max_buffer_delay_ms if msg.max_buffer_delay_ms is None else msg.max_buffer_delay_ms
+            feed = TextFeed(
+                stream_id=sid,
+                max_segment_chars=s.segment_max_chars,
+                max_total_chars=s.max_text_chars,
+                max_pending_chars=s.max_pending_chars,
+                delay_s=delay_ms / 1000,
+            )
+            segments = feed.first(msg.text or "")
+        else:
+            text = msg.text or ""
+            segments = [
+                seg for seg in split_segments(text, max_chars=s.segment_max_chars) if has_speakable(seg)
+            ]
+            if not segments:
+                raise ProtocolError("bad_request", "text has nothing to speak", stream_id=sid)
         session = StreamSession(
             client_id=sid,
             fmt=encoder.format,
@@ -84,7 +96,12 @@ class SpeechService:
             replay_max_bytes=s.replay_max_bytes,
         )
         stream = Stream(session, encoder, pool=self.encode_pool, on_overflow=on_overflow)
-        stream.handle = self.scheduler.submit(segments, params_of(msg), stream.feed)
+        stream.handle = self.scheduler.submit(
+            segments, params_of(msg), stream.feed, incremental=msg.incremental
+        )
+        if feed is not None:
+            feed.handle = stream.handle
+            stream.text_feed = feed
         self.registry.add(stream, owner)
         self.metrics.active_streams.set(self.registry.active)
         return stream

@@ -20,6 +20,7 @@ from concurrent.futures import Executor
 
 from server.audio import CPU_HEAVY_FORMATS
 from server.audio.base import EncodedFrame, FrameEncoder
+from server.incremental import TextFeed
 from server.scheduler import AudioChunk, ScheduledStream, SegmentStarted, StreamEnded, StreamEvent
 from server.session import BufferOverflow, StreamSession, redact
 
@@ -40,6 +41,8 @@ class Stream:
         self.session = session
         self.encoder = encoder
         self.handle: ScheduledStream | None = None
+        #: Set for ``incremental`` streams: where ``append``/``flush``/``end`` go.
+        self.text_feed: TextFeed | None = None
         self._pool = pool if encoder.format in CPU_HEAVY_FORMATS else None
         self._on_overflow = on_overflow
         self._inbox: deque[StreamEvent] = deque()
@@ -99,18 +102,24 @@ class Stream:
     def _end(self, event: StreamEnded, final_frames: list[EncodedFrame]) -> None:
         if event.error is not None:
             self.error_code = event.error.code
+        if self.text_feed is not None:
+            self.text_feed.close()
         self.session.finish(event.reason, final_frames, event.error)
 
     def cancel(self) -> None:
         """Stop generation and end the stream with ``done`` reason ``cancelled``."""
         if self.handle is not None:
             self.handle.cancel()
+        if self.text_feed is not None:
+            self.text_feed.close()
         self.feed([StreamEnded("cancelled")])
 
     async def aclose(self) -> None:
         """Stop generation and the encoding worker (the stream is being forgotten)."""
         if self.handle is not None:
             self.handle.cancel()
+        if self.text_feed is not None:
+            self.text_feed.close()
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)

@@ -109,3 +109,54 @@ def _join(left: str, right: str) -> str:
 def has_speakable(text: str) -> bool:
     """Whether ``text`` has anything besides blanks and punctuation."""
     return any(ch.isalnum() for ch in text)
+
+
+def speakable_segments(sentences: list[str], *, max_chars: int) -> list[str]:
+    """Cut each sentence to ``max_chars`` and drop pieces with nothing to speak."""
+    return [
+        piece for sentence in sentences for piece in _cut_long(sentence, max_chars) if has_speakable(piece)
+    ]
+
+
+class TextBuffer:
+    """Text that arrives in pieces (an LLM's tokens), released as speakable segments.
+
+    Complete sentences are released as soon as they are complete. A Latin full
+    stop at the very end of the buffer is held back until the next character
+    shows it is not a decimal point or an abbreviation ("3." + "14").
+    """
+
+    def __init__(self, *, max_chars: int = DEFAULT_MAX_SEGMENT_CHARS) -> None:
+        self.max_chars = max_chars
+        self._pending = ""
+
+    @property
+    def pending(self) -> str:
+        """Text received but not yet released."""
+        return self._pending
+
+    def append(self, text: str) -> list[str]:
+        """Add text; return the segments that are now complete."""
+        self._pending += text
+        sentences, rest = split_complete(self._pending)
+        if sentences and not rest and self._pending.rstrip(_CLOSERS).endswith("."):
+            rest = self._pending[self._pending.rfind(sentences[-1]) :]
+            sentences.pop()
+        self._pending = rest
+        return speakable_segments(sentences, max_chars=self.max_chars)
+
+    def take_clause(self) -> list[str]:
+        """The text stalled: release it up to its last clause boundary, or all of it."""
+        cut = 0
+        for match in _CLAUSE_END.finditer(self._pending):
+            if match.group().strip():  # a punctuation mark, not just a space
+                cut = match.end()
+        if cut == 0 or not has_speakable(self._pending[cut:]):
+            return self.take_all()
+        head, self._pending = self._pending[:cut], self._pending[cut:]
+        return speakable_segments([clean(head)], max_chars=self.max_chars)
+
+    def take_all(self) -> list[str]:
+        """Release everything buffered (``flush``, ``end``)."""
+        text, self._pending = clean(self._pending), ""
+        return speakable_segments([text], max_chars=self.max_chars) if text else []

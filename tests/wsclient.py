@@ -52,10 +52,15 @@ async def recv_json(ws: ClientConnection) -> dict[str, Any]:
     return message
 
 
-async def collect(ws: ClientConnection, ids: set[str]) -> dict[str, StreamLog]:
-    """Receive until every stream in ``ids`` got ``done``; frames routed by slot."""
+async def collect(
+    ws: ClientConnection, ids: set[str], slots: dict[int, str] | None = None
+) -> dict[str, StreamLog]:
+    """Receive until every stream in ``ids`` got ``done``; frames routed by slot.
+
+    ``slots`` names streams whose ``started`` the caller already consumed.
+    """
     logs = {sid: StreamLog() for sid in ids}
-    by_slot: dict[int, str] = {}
+    by_slot: dict[int, str] = dict(slots or {})
     pending = set(ids)
     while pending:
         raw = await ws.recv()
