@@ -59,7 +59,8 @@ async def test_cancel_mid_stream_frees_slot_and_engine_work(make_app: Any) -> No
 async def test_disconnect_mid_stream_frees_engine_work_after_the_resume_ttl(make_app: Any, ttl: str) -> None:
     app = await make_app("--fake-step-ms", "60", "--resume-ttl-s", ttl)
     ws, _ = await open_client(app.port)
-    await start(ws, id="d", text=LONG_TEXT, seed=1)
+    # Long enough (several seconds of steps) that the TTL always expires first.
+    await start(ws, id="d", text=LONG_TEXT * 3, seed=1)
     while not isinstance(await ws.recv(), bytes):
         pass
     engine = fake_engine(app)
