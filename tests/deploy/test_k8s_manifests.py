@@ -238,13 +238,23 @@ def test_ingress_hashes_on_the_resume_token_and_spreads_new_streams() -> None:
         variable = re.fullmatch(r"\$(\w+)", hash_by)
         assert variable, hash_by
         snippet = yaml.safe_load(INGRESS_NGINX_VALUES.read_text())["controller"]["config"]["http-snippet"]
-        block = re.search(r"map\s+\$arg_resume\s+\$" + variable.group(1) + r"\s*\{(.*?)\}", snippet, re.S)
+        block = re.search(
+            r"map\s+\$arg_resume\s+\$" + variable.group(1) + r"\s*\{(.*?)\n\s*\}", snippet, re.S
+        )
         assert block, f"no `map $arg_resume ${variable.group(1)}` in {INGRESS_NGINX_VALUES}"
         entries = dict(
-            line.strip().rstrip(";").split(None, 1) for line in block.group(1).splitlines() if line.strip()
+            line.strip().rstrip(";").rsplit(None, 1) for line in block.group(1).splitlines() if line.strip()
         )
-        assert entries["default"] == "$arg_resume"
-        assert entries['""'] in ("$request_id", "$http_sec_websocket_key"), entries
+        assert entries.pop("default") == "$arg_resume"
+        # New connections: a per-request random key, so they spread over all pods.
+        assert entries.pop('""') in ("$req_id", "$request_id"), entries
+        # Tokens "<route>.<secret>" hash on the route: the first connection's request id.
+        for pattern, value in entries.items():
+            regex = re.fullmatch(r'"~(.*)"', pattern)
+            assert regex and value.startswith("$"), (pattern, value)
+            nginx_regex = regex.group(1).replace("(?<", "(?P<")
+            matched = re.match(nginx_regex, "0123abcd.secret")
+            assert matched and "$" + matched.lastgroup == value, (pattern, value)
     # Hashing needs the pod endpoints, not the Service's virtual IP.
     assert annotations.get("nginx.ingress.kubernetes.io/service-upstream", "false") != "true"
     # WebSocket streams must outlive nginx's default 60 s proxy timeouts.
