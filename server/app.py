@@ -27,6 +27,7 @@ from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
 from server.config import Settings
 from server.connection import Connection
 from server.engine.base import Engine
+from server.http_api import HttpApi
 from server.metrics import Metrics
 from server.scheduler import Scheduler, SchedulerConfig
 from server.service import SpeechService
@@ -74,6 +75,7 @@ class App:
         self.service = SpeechService(settings, self.scheduler, self.metrics)
         self.connections: set[Connection] = set()
         self._server: Server | None = None
+        self.http = HttpApi(self)  # OpenAI-compatible HTTP speech API on its own port
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -94,6 +96,7 @@ class App:
             ping_timeout=20,
             server_header=s.server_name,
         )
+        await self.http.start()
 
     @property
     def port(self) -> int:
@@ -141,6 +144,7 @@ class App:
 
     async def stop(self) -> None:
         """Close every connection with 1012, stop listening and stop the inference loop."""
+        await self.http.stop()
         if self._server is not None:
             self._server.close(close_connections=False)
             for conn in list(self.connections):

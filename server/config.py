@@ -28,6 +28,11 @@ class Settings:
 
     host: str = _opt("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
     port: int = _opt(8080, "TCP port for WebSocket and HTTP")
+    http_port: int = _opt(
+        -1,
+        "TCP port of the OpenAI-compatible HTTP API (/v1/audio/speech); "
+        "-1: --port + 1 (ephemeral when --port is 0), 0: off",
+    )
     engine: str = _opt("chattts", "inference engine: ChatTTS or the test engine", choices=("chattts", "fake"))
     model_dir: str = _opt("", "ChatTTS asset folder; empty = fetch the official weights once into the cache")
     dev_model: str = _opt(
@@ -63,6 +68,15 @@ class Settings:
     replay_total_bytes: int = _opt(
         256 * 1024 * 1024, "bytes all replay buffers may hold; delivered ones go first"
     )
+    cache_bytes: int = _opt(64 * 1024 * 1024, "response cache for seeded requests, in bytes (0: off)")
+    rate_limit_per_min: float = _opt(0.0, "streams a client may start per minute (0: unlimited)")
+    rate_limit_burst: int = _opt(10, "streams a client may start at once before the rate applies")
+    max_connections_per_client: int = _opt(
+        0, "open connections per client (0: unlimited); over it: close 1013"
+    )
+    api_keys: str = _opt("", "comma-separated API keys; when set, every connection must present one")
+    api_keys_file: str = _opt("", "file with one API key per line (added to --api-keys)")
+    allowed_origins: str = _opt("", "comma-separated Origin values browsers may connect from (empty: any)")
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")

@@ -1,0 +1,354 @@
+"""OpenAI-compatible HTTP speech endpoint (aiohttp), beside the WebSocket, same inference loop.
+
+``POST /v1/audio/speech`` takes OpenAI's JSON body, turns it into a
+:class:`~server.protocol.Start` and opens one more stream through
+:class:`~server.service.SpeechService` (same validation, limits, scheduler
+and encoders as the WebSocket path). The audio goes out as a chunked body
+while it is generated. A client that disconnects cancels its stream: HTTP
+streams cannot be resumed, so they are freed at once. ``GET /v1/models`` and
+``GET /v1/audio/voices`` are for discovery. Errors use OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with our wire codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import struct
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from server.protocol import ProtocolError, Seed, Start, Temperature, TopK, TopP
+from server.streams import Stream
+
+if TYPE_CHECKING:
+    from server.app import App
+
+log = logging.getLogger(__name__)
+
+#: OpenAI ``response_format`` → (our format, default rate, Content-Type). OpenAI's ``opus`` is Ogg Opus.
+FORMATS: Final = {
+    "pcm": ("pcm16", 24_000, "audio/pcm"),
+    "wav": ("pcm16", 24_000, "audio/wav"),
+    "opus": ("ogg", 24_000, "audio/ogg; codecs=opus"),
+}
+#: OpenAI's default is ``mp3``, which this server does not produce; ``wav`` is the closest playable file.
+DEFAULT_FORMAT: Final = "wav"
+#: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres).
+OPENAI_VOICES: Final = {
+    "alloy": "default",
+    "ash": "seed:11",
+    "ballad": "seed:12",
+    "coral": "seed:13",
+    "echo": "seed:14",
+    "fable": "seed:15",
+    "nova": "seed:16",
+    "onyx": "seed:17",
+    "sage": "seed:18",
+    "shimmer": "seed:19",
+    "verse": "seed:20",
+    "marin": "seed:21",
+    "cedar": "seed:22",
+}
+#: Model names accepted (any string is; these are advertised). All are the same ChatTTS model.
+MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+#: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
+OPENAI_SPEED: Final = (0.25, 4.0)
+OUR_SPEED: Final = (0.5, 2.0)
+STATUS: Final = {
+    "bad_request": 400,
+    "text_too_long": 400,
+    "unsupported": 400,
+    "rate_limited": 429,
+    "overloaded": 429,
+    "shutting_down": 503,
+    "engine_error": 500,
+    "internal": 500,
+}
+ERROR_TYPES: Final = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
+    """OpenAI's custom-voice object form, ``{"id": "..."}``."""
+
+    id: str
+
+
+class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):
+    """The body of ``POST /v1/audio/speech``; unknown fields are ignored."""
+
+    input: str
+    model: str = "chattts"
+    voice: str | VoiceRef = "alloy"
+    response_format: str = DEFAULT_FORMAT
+    speed: float = 1.0
+    instructions: str | None = None  # accepted; ChatTTS has no instruction control
+    stream_format: str = "audio"
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    sample_rate: int | None = None  # extension: 16000, 24000 or 48000
+
+
+_decoder: Final = msgspec.json.Decoder(SpeechBody)
+_PARAM = re.compile(r"\$\.(\w+)|field `(\w+)`")
+
+
+def wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    unknown = struct.pack("<I", 0xFFFFFFFF)
+    return b"RIFF" + unknown + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + unknown
+
+
+def error_response(
+    status: int, code: str, message: str, *, param: str | None = None, retry_after_ms: int | None = None
+) -> web.Response:
+    """A JSON error in OpenAI's shape; ``Retry-After`` (seconds) when retrying may help."""
+    kind = ERROR_TYPES.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = {"Cache-Control": "no-store"}
+    if retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _param_of(text: str) -> str | None:
+    match = _PARAM.search(text)
+    return (match.group(1) or match.group(2)) if match else None
+
+
+class BodyError(ProtocolError):
+    """A request body problem, naming the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, code: str, message: str, param: str | None) -> None:
+        super().__init__(code, message)
+        self.param = param
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown paths and wrong methods answer in OpenAI's error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, "bad_request", f"{request.method} {request.path}: {exc.reason}")
+
+
+class _ClientGone(Exception):
+    """The client disconnected, stopped reading, or the stream failed after the headers went out."""
+
+
+class HttpApi:
+    """The aiohttp server for the OpenAI-compatible routes, on the app's event loop."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.service = app.service
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.port: int | None = None  # bound port once started; None when off
+
+    async def start(self) -> None:
+        """Listen on ``--http-port`` (-1: WebSocket port + 1, ephemeral with ``--port 0``; 0: off)."""
+        s = self.settings
+        port = s.http_port
+        if port == 0:
+            return
+        if port < 0:
+            port = self.app.port + 1 if s.port else 0
+        web_app = web.Application(client_max_size=s.max_message_bytes, middlewares=[json_errors])
+        web_app.router.add_post("/v1/audio/speech", self.speech)
+        web_app.router.add_get("/v1/models", self.models)
+        web_app.router.add_get("/v1/audio/voices", self.voices)
+        # handler_cancellation: a client that disconnects cancels its handler at once, even
+        # while the handler waits for audio, so its generation stops within one block.
+        self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, s.host, port)
+        await self._site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", s.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop listening; responses still running are cancelled (their streams freed)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- discovery -----------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: every name is the same ChatTTS model."""
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "chattts-stream"} for m in MODELS]
+        return web.json_response({"object": "list", "data": data})
+
+    async def voices(self, request: web.Request) -> web.Response:
+        """``GET /v1/audio/voices``: OpenAI names (with what they map to) and the engine's voices."""
+        data = [{"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()]
+        data += [{"id": v, "voice": v} for v in self.app.scheduler.engine_info_voices]
+        return web.json_response(
+            {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
+        )
+
+    # --- speech --------------------------------------------------------------------
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/audio/speech``: validate, open a stream, send its audio as it comes."""
+        metrics = self.app.metrics
+        try:
+            if self.service.draining:
+                raise ProtocolError("shutting_down", "the server is draining; retry on another replica")
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                metrics.errors.labels(code="bad_request").inc()
+                return error_response(
+                    413, "bad_request", f"request body over {self.settings.max_message_bytes} bytes"
+                )
+            body, fmt = self._parse(raw)
+            start = self._start_of(body, fmt)
+            stream = self.service.open(
+                start, request, lambda s: self._abort(request, "too much unsent audio")
+            )
+        except ProtocolError as err:
+            metrics.errors.labels(code=err.code).inc()
+            param = err.param if isinstance(err, BodyError) else None
+            status = STATUS.get(err.code, 500)
+            return error_response(
+                status, err.code, err.message, param=param, retry_after_ms=err.retry_after_ms
+            )
+        try:
+            return await self._pump(request, stream, fmt)
+        except _ClientGone:
+            return web.Response()  # never sent: aiohttp finds the connection gone
+        finally:
+            # Cancelled too (client gone, server stopping): nothing can resume an HTTP stream.
+            if not stream.session.ended:
+                stream.cancel()
+            await self._free(stream)
+
+    def _parse(self, raw: bytes) -> tuple[SpeechBody, str]:
+        try:
+            body = _decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
+        except msgspec.DecodeError as exc:
+            raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
+        fmt = body.response_format
+        if fmt not in FORMATS:
+            message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"
+            raise BodyError("unsupported", message, "response_format")
+        if body.stream_format != "audio":
+            raise BodyError(
+                "unsupported", "only stream_format 'audio' is supported (no 'sse')", "stream_format"
+            )
+        if not OPENAI_SPEED[0] <= body.speed <= OPENAI_SPEED[1]:
+            low, high = OPENAI_SPEED
+            raise BodyError("bad_request", f"speed must be within {low} and {high}", "speed")
+        return body, fmt
+
+    def _start_of(self, body: SpeechBody, fmt: str) -> Start:
+        our_format, rate, _ = FORMATS[fmt]
+        voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
+        return Start(
+            id="http",
+            text=body.input,
+            voice=OPENAI_VOICES.get(voice, voice),
+            speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
+            format=our_format,
+            sample_rate=body.sample_rate or rate,
+            seed=body.seed,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+        )
+
+    async def _pump(self, request: web.Request, stream: Stream, fmt: str) -> web.StreamResponse:
+        """Send every frame payload as it appears; all ready frames go out in one chunk.
+
+        The headers wait for the first audio, so a stream that fails before any gets a
+        JSON error; one that fails later is cut off (the chunked body never ends cleanly).
+        """
+        session = stream.session
+        metrics = self.app.metrics
+        response = web.StreamResponse(headers={"Content-Type": FORMATS[fmt][2], "Cache-Control": "no-store"})
+        response.enable_chunked_encoding()
+        index = session.sent_index
+        while True:
+            item = session.item(index)
+            if item is None:
+                if session.ended:
+                    break
+                session.changed.clear()
+                await session.changed.wait()
+                continue
+            chunk = bytearray()
+            error: dict[str, Any] | None = None
+            while item is not None:
+                if item.is_frame:
+                    chunk += item.payload
+                    metrics.frames_sent.inc()
+                elif item.message is not None and item.message["type"] == "error":
+                    error = item.message
+                index += 1
+                item = session.item(index)
+            if error is not None:
+                metrics.errors.labels(code=error["code"]).inc()
+                if not response.prepared:
+                    return error_response(STATUS.get(error["code"], 500), error["code"], error["message"])
+                self._abort(request, f"stream failed: {error['code']}")
+                raise _ClientGone
+            if chunk or (session.ended and not response.prepared):
+                if not response.prepared:
+                    await response.prepare(request)
+                    if fmt == "wav":
+                        chunk[:0] = wav_header(session.sample_rate)
+                await self._write(request, response, bytes(chunk))
+                if session.first_frame_at is None:
+                    session.first_frame_at = time.monotonic()
+                    metrics.time_to_first_audio.observe(session.first_frame_at - session.created)
+            session.mark_sent(index)
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            raise _ClientGone from None
+        return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        timeout = self.settings.send_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await response.write(data)
+        except TimeoutError:
+            self._abort(request, f"send blocked for {timeout} s")
+            raise _ClientGone from None
+        except ConnectionError:  # aiohttp's ClientConnectionResetError is one
+            raise _ClientGone from None
+        self.app.metrics.bytes_sent.inc(len(data))
+
+    def _abort(self, request: web.Request, reason: str) -> None:
+        """Drop the client's TCP connection (a reader that falls behind, or a failed stream)."""
+        log.warning("aborting HTTP response to %s: %s", request.remote, reason)
+        self.app.metrics.errors.labels(code="aborted").inc()
+        if request.transport is not None:
+            request.transport.abort()
+
+    async def _free(self, stream: Stream) -> None:
+        """Count the stream by its end and drop it at once (no resume over HTTP)."""
+        if stream.session.ended:
+            self.service.delivered(stream)  # counts its done reason
+        else:  # cancelled, its encoder worker has not ended the session yet
+            stream.delivered = True  # so forget() does not count it as "expired"
+            self.app.metrics.streams_total.labels(reason="cancelled").inc()
+        await self.service.forget(stream)
