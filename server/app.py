@@ -28,6 +28,7 @@ from server.config import Settings
 from server.connection import Connection
 from server.engine.base import Engine
 from server.http_api import HttpApi
+from server.limits import ApiKeys, client_identity, origin_allowed, presented_key
 from server.metrics import Metrics
 from server.scheduler import Scheduler, SchedulerConfig
 from server.service import SpeechService
@@ -75,6 +76,8 @@ class App:
         self.service = SpeechService(settings, self.scheduler, self.metrics)
         self.connections: set[Connection] = set()
         self._server: Server | None = None
+        self.api_keys = ApiKeys(_api_keys(settings))
+        self.allowed_origins = frozenset(o.strip() for o in settings.allowed_origins.split(",") if o.strip())
         self.http = HttpApi(self)  # OpenAI-compatible HTTP speech API on its own port
 
     # --- lifecycle -------------------------------------------------------------
@@ -193,12 +196,30 @@ class App:
     # --- WebSocket and HTTP --------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(self, ws)
+        request = ws.request
+        assert request is not None
+        key = presented_key(request.path, request.headers)
+        if self.api_keys.required and not self.api_keys.valid(key):
+            self.metrics.errors.labels(code="unauthorized").inc()
+            await ws.close(1008, "missing or invalid API key")
+            return
+        if not origin_allowed(request.headers.get("Origin"), self.allowed_origins):
+            self.metrics.errors.labels(code="forbidden_origin").inc()
+            await ws.close(1008, "origin not allowed")
+            return
+        limiter = self.service.limiter
+        client = client_identity(key, str(ws.remote_address[0]) if ws.remote_address else "?")
+        if not limiter.open_connection(client):
+            self.metrics.errors.labels(code="too_many_connections").inc()
+            await ws.close(1013, "too many connections from this client")
+            return
+        conn = Connection(self, ws, client)
         self.connections.add(conn)
         self.metrics.connections.set(len(self.connections))
         try:
             await conn.run()
         finally:
+            limiter.close_connection(client)
             self.connections.discard(conn)
             self.metrics.connections.set(len(self.connections))
 
@@ -229,6 +250,15 @@ class App:
         if path.startswith("/client_js/"):
             return _static_under(DEMO_DIR, path.removeprefix("/client_js/"))
         return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
+
+
+def _api_keys(settings: Settings) -> list[str]:
+    """Keys from ``--api-keys`` and, one per line, ``--api-keys-file``."""
+    keys = [k.strip() for k in settings.api_keys.split(",") if k.strip()]
+    if settings.api_keys_file:
+        lines = Path(settings.api_keys_file).read_text(encoding="utf-8").splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return keys
 
 
 _CONTENT_TYPES = {

@@ -50,8 +50,9 @@ class Attachment:
 class Connection:
     """Serves one client connection until it closes."""
 
-    def __init__(self, app: App, ws: ServerConnection) -> None:
+    def __init__(self, app: App, ws: ServerConnection, client: str) -> None:
         self.app = app
+        self.client = client  # rate-limit identity: an API-key digest or the IP
         self.ws = ws
         self.settings = app.settings
         self.service = app.service
@@ -138,6 +139,7 @@ class Connection:
             raise ProtocolError(
                 "shutting_down", "the server is draining; reconnect elsewhere", stream_id=msg.id
             )
+        self.service.check_rate(self.client, msg.id)
         self._check_room(msg.id)
         stream = self.service.open(msg, self, self._on_overflow)
         attachment = self._attach(stream)

@@ -50,6 +50,13 @@ class Metrics:
             "chattts_engine_failures", "Failed engine steps, by kind", ["kind"], registry=r
         )
         self.breaker_open = Gauge("chattts_breaker_open", "1 while the engine breaker is open", registry=r)
+        self.cache_hits = Counter(
+            "chattts_cache_hits", "Streams answered from the response cache", registry=r
+        )
+        self.cache_misses = Counter(
+            "chattts_cache_misses", "Seeded streams not in the response cache", registry=r
+        )
+        self.cache_bytes = Gauge("chattts_cache_bytes", "Bytes held by the response cache", registry=r)
         self.gpu_memory_bytes = Gauge(
             "chattts_gpu_memory_allocated_bytes", "Accelerator memory allocated (0 without one)", registry=r
         )

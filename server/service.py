@@ -15,9 +15,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from server.audio import UnsupportedAudio, make_encoder
+from server.audio.base import FrameEncoder
+from server.cache import ResponseCache, cache_key
 from server.config import Settings
 from server.engine.base import SynthesisParams
 from server.incremental import TextFeed
+from server.limits import ClientLimiter
 from server.metrics import Metrics
 from server.protocol import ProtocolError, Start
 from server.scheduler import Scheduler
@@ -43,52 +46,46 @@ class SpeechService:
         )
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
+        self.cache = ResponseCache(settings.cache_bytes) if settings.cache_bytes > 0 else None
+        self.limiter = ClientLimiter(
+            streams_per_minute=settings.rate_limit_per_min,
+            burst=settings.rate_limit_burst,
+            max_connections=settings.max_connections_per_client,
+        )
+
+    @property
+    def engine_identity(self) -> str:
+        """What besides the request decides the audio: the engine, its weights and block schedule."""
+        s = self.settings
+        return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
+
+    def check_rate(self, client: str, stream_id: str | None) -> None:
+        """Raise ``rate_limited`` (with ``retry_after_ms``) when ``client`` starts too often."""
+        wait_ms = self.limiter.retry_after_ms(client)
+        if wait_ms:
+            raise ProtocolError(
+                "rate_limited",
+                "too many streams started; slow down",
+                stream_id=stream_id,
+                retry_after_ms=wait_ms,
+            )
 
     def open(self, msg: Start, owner: object, on_overflow: Callable[[Stream], None]) -> Stream:
-        """Validate ``msg``, submit it to the scheduler and register the stream.
+        """Validate ``msg``, submit it to the scheduler (or answer it from the cache), register it.
 
         Raises:
             ProtocolError: with the wire code (``shutting_down``, ``text_too_long``,
                 ``unsupported``, ``bad_request``, ``overloaded``).
         """
-        s = self.settings
-        sid = msg.id
         if self.draining:
-            raise ProtocolError("shutting_down", "the server is draining; reconnect elsewhere", stream_id=sid)
-        if msg.text is None and not msg.incremental:
-            raise ProtocolError("bad_request", "missing field `text`", stream_id=sid)
-        if msg.text is not None and len(msg.text) > s.max_text_chars:
             raise ProtocolError(
-                "text_too_long",
-                f"text has {len(msg.text)} characters; the limit is {s.max_text_chars}",
-                stream_id=sid,
+                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=msg.id
             )
-        try:
-            encoder = make_encoder(msg.format, msg.sample_rate)
-        except (UnsupportedAudio, ValueError) as exc:
-            raise ProtocolError("unsupported", str(exc), stream_id=sid) from None
-        if not self.scheduler.validate_voice(msg.voice):
-            raise ProtocolError("unsupported", f"unknown voice {msg.voice!r}", stream_id=sid)
-        feed = None
-        if msg.incremental:
-            delay_ms = s.max_buffer_delay_ms if msg.max_buffer_delay_ms is None else msg.max_buffer_delay_ms
-            feed = TextFeed(
-                stream_id=sid,
-                max_segment_chars=s.segment_max_chars,
-                max_total_chars=s.max_text_chars,
-                max_pending_chars=s.max_pending_chars,
-                delay_s=delay_ms / 1000,
-            )
-            segments = feed.first(msg.text or "")
-        else:
-            text = msg.text or ""
-            segments = [
-                seg for seg in split_segments(text, max_chars=s.segment_max_chars) if has_speakable(seg)
-            ]
-            if not segments:
-                raise ProtocolError("bad_request", "text has nothing to speak", stream_id=sid)
+        encoder = self._encoder_for(msg)
+        segments, feed = self._plan_text(msg)
+        s = self.settings
         session = StreamSession(
-            client_id=sid,
+            client_id=msg.id,
             fmt=encoder.format,
             sample_rate=encoder.sample_rate,
             max_unsent_s=s.max_buffered_s,
@@ -96,15 +93,64 @@ class SpeechService:
             replay_max_bytes=s.replay_max_bytes,
         )
         stream = Stream(session, encoder, pool=self.encode_pool, on_overflow=on_overflow)
-        stream.handle = self.scheduler.submit(
-            segments, params_of(msg), stream.feed, incremental=msg.incremental
-        )
-        if feed is not None:
-            feed.handle = stream.handle
-            stream.text_feed = feed
+        key = cache_key(msg, segments, self.engine_identity) if self.cache is not None else None
+        cached = self.cache.get(key) if self.cache is not None and key is not None else None
+        if cached is not None:
+            session.load(cached.items)  # a hit: every frame is ready now, no model work
+            self.metrics.cache_hits.inc()
+        else:
+            if key is not None:
+                self.metrics.cache_misses.inc()
+                stream.on_complete = lambda done: self._store(key, done)
+            stream.handle = self.scheduler.submit(
+                segments, params_of(msg), stream.feed, incremental=msg.incremental
+            )
+            if feed is not None:
+                feed.handle = stream.handle
+                stream.text_feed = feed
         self.registry.add(stream, owner)
         self.metrics.active_streams.set(self.registry.active)
         return stream
+
+    def _encoder_for(self, msg: Start) -> FrameEncoder:
+        """The stream's encoder; checks text size, format, rate and voice first."""
+        limit = self.settings.max_text_chars
+        if msg.text is None and not msg.incremental:
+            raise ProtocolError("bad_request", "missing field `text`", stream_id=msg.id)
+        if msg.text is not None and len(msg.text) > limit:
+            raise ProtocolError(
+                "text_too_long",
+                f"text has {len(msg.text)} characters; the limit is {limit}",
+                stream_id=msg.id,
+            )
+        try:
+            encoder = make_encoder(msg.format, msg.sample_rate)
+        except (UnsupportedAudio, ValueError) as exc:
+            raise ProtocolError("unsupported", str(exc), stream_id=msg.id) from None
+        if not self.scheduler.validate_voice(msg.voice):
+            raise ProtocolError("unsupported", f"unknown voice {msg.voice!r}", stream_id=msg.id)
+        return encoder
+
+    def _plan_text(self, msg: Start) -> tuple[list[str], TextFeed | None]:
+        """The segments to submit now, and the text feed of an incremental stream."""
+        s = self.settings
+        if not msg.incremental:
+            text = msg.text or ""
+            segments = [
+                seg for seg in split_segments(text, max_chars=s.segment_max_chars) if has_speakable(seg)
+            ]
+            if not segments:
+                raise ProtocolError("bad_request", "text has nothing to speak", stream_id=msg.id)
+            return segments, None
+        delay_ms = s.max_buffer_delay_ms if msg.max_buffer_delay_ms is None else msg.max_buffer_delay_ms
+        feed = TextFeed(
+            stream_id=msg.id,
+            max_segment_chars=s.segment_max_chars,
+            max_total_chars=s.max_text_chars,
+            max_pending_chars=s.max_pending_chars,
+            delay_s=delay_ms / 1000,
+        )
+        return feed.first(msg.text or ""), feed
 
     def delivered(self, stream: Stream) -> None:
         """A stream's ``done`` was sent: count it, keep it briefly for a late resume."""
@@ -114,6 +160,12 @@ class SpeechService:
         else:
             self.registry.linger(stream)
         self.metrics.active_streams.set(self.registry.active)
+
+    def _store(self, key: str, stream: Stream) -> None:
+        items = stream.session.snapshot()
+        if self.cache is not None and items is not None:
+            self.cache.put(key, items)
+            self.metrics.cache_bytes.set(self.cache.size)
 
     async def forget(self, stream: Stream) -> None:
         """Stop a stream's work and drop it from the registry."""

@@ -15,7 +15,8 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from server.audio.base import EncodedFrame
@@ -230,6 +231,25 @@ class StreamSession:
         if self.sent_index < self._base:  # detached: what was evicted can never be sent
             self._sent_samples += item.samples
             self.sent_index = self._base
+
+    # --- the response cache ------------------------------------------------------
+
+    def snapshot(self) -> list[OutItem] | None:
+        """Every item of a finished stream, or None when some were already evicted."""
+        if not self.ended or self._evicted_position >= 0:
+            return None
+        return list(self._items)
+
+    def load(self, items: Sequence[OutItem]) -> None:
+        """Fill a new session with a cached stream's items (relabelled with this stream's id)."""
+        for item in items:
+            if item.message is not None:
+                item = replace(item, message={**item.message, "id": self.client_id})
+            self._append(item)
+            if item.message is not None and item.message["type"] == "done":
+                self.done_reason = item.message["reason"]
+                self._next_seq = item.message["last_seq"] + 1
+                self._next_sample = item.message["samples"]
 
     # --- consuming -----------------------------------------------------------
 

@@ -51,6 +51,8 @@ class Stream:
         #: ``done`` went out on a live connection; the stream is kept for the TTL only in
         #: case the client lost the connection before it got the last bytes.
         self.delivered = False
+        #: Called once when the stream ends ``complete`` (the response cache stores it).
+        self.on_complete: Callable[[Stream], None] | None = None
 
     @property
     def token(self) -> str:
@@ -105,6 +107,8 @@ class Stream:
         if self.text_feed is not None:
             self.text_feed.close()
         self.session.finish(event.reason, final_frames, event.error)
+        if event.reason == "complete" and self.on_complete is not None:
+            self.on_complete(self)
 
     def cancel(self) -> None:
         """Stop generation and end the stream with ``done`` reason ``cancelled``."""
