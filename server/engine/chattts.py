@@ -64,7 +64,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """The Llama's dtype: ``"auto"`` → bfloat16 on CPU (≈2× faster there) and on GPUs with bf16, else float16."""
+    """The Llama's dtype: ``"auto"`` → bf16 on CPU (≈2× faster there) and on GPUs with bf16, else fp16."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -200,7 +200,9 @@ class ChatTTSEngine:
         if num_threads is not None and num_threads > 0:
             torch.set_num_threads(num_threads)
         dev = resolve_device(device)
-        loaded = load_chat(model_dir=model_dir, device=dev, cache_dir=cache_dir, download_timeout_s=download_timeout_s)
+        loaded = load_chat(
+            model_dir=model_dir, device=dev, cache_dir=cache_dir, download_timeout_s=download_timeout_s
+        )
         return cls(
             loaded,
             device=dev,
@@ -254,7 +256,9 @@ class ChatTTSEngine:
             raise EngineError(f"text too long: {input_ids.shape[1]} prompt tokens")
         seed = request.params.seed
         gen = torch.Generator(device="cpu")
-        gen.manual_seed((seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63))
+        gen.manual_seed(
+            (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
+        )
         self._seqs[request.seq_id] = _Seq(
             request=request,
             input_ids=input_ids,
@@ -302,7 +306,13 @@ class ChatTTSEngine:
         self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
         n = int(ids.shape[1])
         layers = empty_layers(
-            self._n_layers, 1, self._kv_heads, self._head_dim, n + self.block_schedule[0] + 8, self.dtype, self.device
+            self._n_layers,
+            1,
+            self._kv_heads,
+            self._head_dim,
+            n + self.block_schedule[0] + 8,
+            self.dtype,
+            self.device,
         )
         group = RowGroup(
             ids=[seq.request.seq_id],
@@ -361,7 +371,9 @@ class ChatTTSEngine:
             if all(s.finished for s in rows):
                 break
             logits = torch.einsum("bh,qvh->bqv", group.hidden, self._head_w)
-            uniforms = torch.stack([torch.rand(self.num_vq, generator=s.generator) for s in rows]).to(self.device)
+            uniforms = torch.stack([torch.rand(self.num_vq, generator=s.generator) for s in rows]).to(
+                self.device
+            )
             codes = sample_codes(
                 logits,
                 group.history,

@@ -112,7 +112,8 @@ def _hub_reachable(timeout_s: float) -> str | None:
 
 def _offline_message(cache_dir: Path, reason: str) -> str:
     return (
-        f"ChatTTS weights are not in the cache {cache_dir} and cannot be downloaded from the Hugging Face hub "
+        f"ChatTTS weights are not in the cache {cache_dir} and cannot be downloaded from the Hugging Face "
+        f"hub "
         f"({HF_REPO_ID}): {reason}. Fix: connect this machine to the internet once (the weights are cached), "
         f"or copy the {HF_REPO_ID} files to a folder and pass --model-dir DIR (DIR/asset/...), "
         f"or run `chattts-stream make-dev-model --size tiny DIR` for random test weights."
@@ -210,7 +211,16 @@ def load_chat(
         # Random files fail ChatTTS's official hash map by design; check them against the manifest.
         chat.sha256_map = dict(manifest["sha256"])
     # else: keep ChatTTS's own official sha256_map: real weights are always hash-checked.
-    ok = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # ChatTTS deletes the Llama's embed_tokens (it has its own Embed), so transformers'
+    # "weights newly initialized: embed_tokens" notice is expected noise.
+    hf_logging.set_verbosity_error()
+    try:
+        ok = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if not ok:
         what = "the DEV_MODEL.json hashes" if manifest is not None else "ChatTTS's official sha256 map"
         raise ModelUnavailableError(

@@ -141,9 +141,7 @@ class RowGroup:
         layers = []
         for layer in self.layers:
             k, v = layer.rows(index, trim)
-            layers.append(
-                GrowLayer(_buffers([k], [0], headroom), _buffers([v], [0], headroom), k.shape[2])
-            )
+            layers.append(GrowLayer(_buffers([k], [0], headroom), _buffers([v], [0], headroom), k.shape[2]))
         return RowGroup(
             ids=list(keep),
             layers=layers,
@@ -174,12 +172,20 @@ def concat_groups(groups: list[RowGroup], headroom: int = 64) -> RowGroup:
 
 
 def empty_layers(
-    n_layers: int, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
+    n_layers: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    capacity: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[GrowLayer]:
     """Fresh empty caches for a prefill."""
     shape = (batch, heads, capacity, head_dim)
     return [
-        GrowLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), 0)
+        GrowLayer(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), 0
+        )
         for _ in range(n_layers)
     ]
 

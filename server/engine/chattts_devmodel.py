@@ -169,7 +169,7 @@ def _scale_layer_scales(module: torch.nn.Module, gen: torch.Generator) -> None:
     """
     for name, param in module.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("weight", "gamma") and param.dim() == 1 and float(param.abs().max()) <= 1e-5:
+        if leaf in ("weight", "gamma") and param.dim() == 1 and float(param.detach().abs().max()) <= 1e-5:
             param.data.copy_(0.05 + 0.25 * torch.rand(param.shape, generator=gen))
 
 

@@ -1,0 +1,64 @@
+"""Fixtures for engine tests on the tiny random-weight ChatTTS model (no network)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ChatTTS")
+
+
+class NetworkUsed(AssertionError):
+    pass
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise NetworkUsed(f"network use attempted: {args!r}")
+
+
+@contextmanager
+def network_refused() -> Iterator[None]:
+    """Fail any connect or DNS lookup (and set HF_HUB_OFFLINE) inside the block."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setattr(socket.socket, "connect", _refuse)
+    mp.setattr(socket.socket, "connect_ex", _refuse)
+    mp.setattr(socket, "getaddrinfo", _refuse)
+    mp.setattr(socket, "create_connection", _refuse)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_network_in_model_tests() -> Iterator[None]:
+    with network_refused():
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from server.engine.chattts_devmodel import make_dev_model
+
+    directory = tmp_path_factory.mktemp("tiny-chattts")
+    with network_refused():
+        make_dev_model("tiny", directory, seed=0)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    """One fp32 engine for the session (fp32: the in-batch determinism test needs it)."""
+    from server.engine.chattts import ChatTTSEngine
+
+    with network_refused():
+        engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32")
+        engine.warmup()
+    yield engine
+    engine.close()
