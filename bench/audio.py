@@ -1,0 +1,72 @@
+"""Client-side audio decoding: frame payloads to int16 samples, and the first non-silent sample."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Int16Array = npt.NDArray[np.int16]
+
+#: A sample counts as non-silent at or above this magnitude (about -60 dBFS).
+DEFAULT_SILENCE_THRESHOLD = 33
+
+#: Formats the harness can decode (``f32``/``ogg`` are not measured).
+DECODABLE_FORMATS = ("pcm16", "opus")
+
+
+class PayloadDecoder(Protocol):
+    """Turns one audio frame payload into int16 samples at the stream's rate."""
+
+    def decode(self, payload: bytes) -> Int16Array:
+        """Samples of one frame (empty for an empty payload)."""
+        ...
+
+
+class Pcm16Decoder:
+    """``pcm16`` payloads are already little-endian int16 samples."""
+
+    def decode(self, payload: bytes) -> Int16Array:
+        """Reinterpret the payload bytes."""
+        return np.frombuffer(payload, dtype="<i2").astype(np.int16, copy=False)
+
+
+class OpusDecoder:
+    """One libopus decoder per stream (``opuslib``); each payload is one 20 ms packet."""
+
+    def __init__(self, sample_rate: int, frame_ms: int = 20) -> None:
+        import opuslib
+
+        self._decoder = opuslib.Decoder(sample_rate, 1)
+        # Room for the longest Opus packet (120 ms), whatever frame size the server uses.
+        self._max_samples = sample_rate * 120 // 1000
+        self.frame_samples = sample_rate * frame_ms // 1000
+
+    def decode(self, payload: bytes) -> Int16Array:
+        """Decode one packet (the empty last-frame payload decodes to nothing)."""
+        if not payload:
+            return np.zeros(0, dtype=np.int16)
+        pcm = self._decoder.decode(payload, self._max_samples)
+        return np.frombuffer(pcm, dtype="<i2").astype(np.int16, copy=False)
+
+
+def make_decoder(fmt: str, sample_rate: int, frame_ms: int = 20) -> PayloadDecoder:
+    """A decoder for ``fmt`` (one of :data:`DECODABLE_FORMATS`).
+
+    Raises:
+        ValueError: the format is not decodable here.
+    """
+    if fmt == "pcm16":
+        return Pcm16Decoder()
+    if fmt == "opus":
+        return OpusDecoder(sample_rate, frame_ms)
+    raise ValueError(f"cannot decode format {fmt!r}; choose from {', '.join(DECODABLE_FORMATS)}")
+
+
+def first_loud_index(samples: Int16Array, threshold: int = DEFAULT_SILENCE_THRESHOLD) -> int | None:
+    """Index of the first sample with ``|x| >= threshold``, or ``None``."""
+    if samples.size == 0:
+        return None
+    loud = np.flatnonzero(np.abs(samples.astype(np.int32)) >= threshold)
+    return int(loud[0]) if loud.size else None

@@ -1,0 +1,92 @@
+"""``python -m bench --smoke``: a real fake-engine server subprocess and real WebSocket clients.
+
+Runs the harness as CI does and checks that the JSON it writes has every
+field, with sane values (time to first audio > 0, no errors, both formats).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+STREAM_KEYS = {
+    "job", "system", "format", "text_size", "text_lang", "ok", "reason", "errors", "capped", "cut",
+    "connect_s", "ttfa_s", "ttfs_s", "leading_silence_s", "audio_s", "frames", "gen_s", "rtf",
+    "max_gap_s", "listener",
+}  # fmt: skip
+DISTRIBUTIONS = ("ttfa_s", "ttfs_s", "leading_silence_s", "rtf", "max_gap_s", "gap_s", "connect_s", "audio_s")
+
+
+def _check_distribution(dist: dict[str, Any], *, positive: bool = False) -> None:
+    assert set(dist) == {"n", "mean", "p50", "p90", "p99", "max"}
+    assert dist["n"] > 0
+    assert dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
+    if positive:
+        assert dist["p50"] > 0
+
+
+def test_smoke_writes_complete_sane_results(tmp_path: Path) -> None:
+    prefix = tmp_path / "smoke"
+    began = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(prefix)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - began
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 20, f"smoke took {elapsed:.1f} s"
+    results = json.loads(prefix.with_name("smoke.json").read_text())
+    assert "| server | c1 | pcm16 |" in prefix.with_name("smoke.md").read_text()
+
+    for key in (
+        "schema",
+        "title",
+        "created",
+        "command",
+        "machine",
+        "settings",
+        "systems",
+        "scenarios",
+        "issue4",
+    ):
+        assert key in results
+    machine = results["machine"]
+    assert machine["cpu_model"] and machine["cpu_cores"] >= 1 and isinstance(machine["gpus"], list)
+    assert {"python", "torch", "websockets"} <= set(machine["versions"])
+    server = results["systems"]["server"]
+    assert server["hello"]["type"] == "hello" and server["hello"]["protocol"] == 1
+    assert "--engine" in server["server"]["flags"] and server["server"]["exit_code"] == 0
+    assert "--max-batch" in results["systems"]["server-b1"]["server"]["flags"]
+    assert {s["what"] for s in results["skipped"]} == {"chattts-infer", "engine-direct"}  # no model in smoke
+
+    seen = {(s["system"], s["label"], s["format"]) for s in results["scenarios"]}
+    for fmt in ("pcm16", "opus"):
+        assert {("server", "c1", fmt), ("server", "c4", fmt), ("server", "r8", fmt)} <= seen
+    assert ("server-b1", "c4", "pcm16") in seen
+    for scenario in results["scenarios"]:
+        summary = scenario["summary"]
+        assert summary["streams"] > 0 and summary["ok"] == summary["streams"], summary["errors"]
+        assert summary["errors"] == {} and summary["error_streams"] == 0 and summary["cut"] == 0
+        for key in DISTRIBUTIONS:
+            _check_distribution(summary[key], positive=key in ("ttfa_s", "ttfs_s", "audio_s", "connect_s"))
+        assert 0 < summary["rtf"]["p50"] < 1  # the fake engine is much faster than real time
+        throughput = summary["throughput"]
+        assert throughput["audio_s_per_wall_s"] > 0 and throughput["steady_audio_s_per_wall_s"] > 0
+        assert throughput["cpu_s"] is not None and throughput["cpu_s"] > 0  # the harness started the server
+        assert [x["threshold_ms"] for x in summary["listener"]] == [100.0, 300.0]
+        for stream in scenario["streams"]:
+            assert set(stream) == STREAM_KEYS
+            assert stream["ok"] and stream["ttfa_s"] > 0 and stream["audio_s"] > 0
+            assert stream["ttfa_s"] <= stream["ttfs_s"]  # the fake tones are loud from the first sample
+            assert stream["listener"][0]["start_s"] >= stream["ttfa_s"]
+    ratios = results["issue4"]
+    assert ratios["server_audio_s_per_wall_s"] > 0 and ratios["vs_single"] > 0
