@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -36,9 +37,9 @@ from bench.latency import StreamRecord, stream_metrics
 from bench.load import LoadRun, LoadSpec, run_load
 from bench.machine import describe_machine
 from bench.report import markdown, throughput_ratios
-from bench.servers import REPO_ROOT, ServerProcess
+from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess
 from bench.stats import summarize
-from bench.textset import DEFAULT_TEXTS, load_texts
+from bench.textset import DEFAULT_TEXTS, load_texts, seed_base
 
 BASELINES = ("b1", "infer", "engine")
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--text-langs", default="", help="keep only these languages (zh,en)")
     load.add_argument(
         "--max-audio-s", type=float, default=0.0, help="cancel each stream after this much audio (0 = no cap)"
+    )
+    load.add_argument(
+        "--threads", type=int, default=0, help="torch threads of started servers and baselines (0 = default)"
+    )
+    load.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of started servers and baselines ('' = inherit); PASSIVE keeps idle OpenMP "
+        "threads from spinning, which on a shared CPU makes torch steps up to 100x slower",
     )
     load.add_argument("--settle-s", type=float, default=0.5, help="pause between scenarios")
     load.add_argument("--seed", type=int, default=1, help="arrivals and per-stream seeds")
@@ -197,6 +207,8 @@ class Harness:
         flags = ["--engine", self.args.engine]
         if self.args.model_dir is not None:
             flags += ["--model-dir", str(self.args.model_dir)]
+        if self.args.threads:
+            flags += ["--threads", str(self.args.threads)]
         return [*flags, *shlex.split(self.args.server_flags), *extra]
 
     async def measure_server(
@@ -242,6 +254,8 @@ class Harness:
         async def runner(job: Any, stop: asyncio.Event) -> StreamRecord:
             return await run_stream(url, job, options, stop)
 
+        variant = self.formats.index(fmt) if fmt in self.formats else 0
+        spec = dataclasses.replace(spec, seed_base=seed_base(self.args.seed, spec.label, variant))
         cpu0 = server.cpu_s() if server else None
         run = await run_load(self.texts, spec, runner)
         cpu1 = server.cpu_s() if server else None
@@ -258,7 +272,7 @@ class Harness:
             "--model-dir", str(a.model_dir), "--concurrency", ",".join(map(str, concurrency)),
             "--duration", str(a.duration), "--max-streams", str(a.max_streams), "--texts", str(a.texts),
             "--text-sizes", a.text_sizes, "--text-langs", a.text_langs, "--seed", str(a.seed),
-            "--max-audio-s", str(a.max_audio_s),
+            "--max-audio-s", str(a.max_audio_s), "--threads", str(a.threads),
         ]  # fmt: skip
 
     async def measure_inprocess(
@@ -324,6 +338,7 @@ class Harness:
             "settings": {
                 **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                 "jitter_ms": self.jitter_ms,
+                "child_env": dict(CHILD_ENV),
                 "texts_used": len(self.texts),
             },
             "systems": self.systems,
@@ -385,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.smoke
             else RESULTS_DIR / f"run-{stamp}"
         )
+    if args.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
+        CHILD_ENV["OMP_WAIT_POLICY"] = args.omp_wait_policy
     try:
         harness = Harness(args, argv)
     except (OSError, ValueError) as exc:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from bench import inproc
 from bench.latency import StreamRecord
 from bench.load import LoadRun
-from bench.textset import Job, job
+from bench.textset import Job, job, seed_base
 
 
 @dataclass
@@ -70,8 +70,8 @@ def main() -> int:
         slot.seq_id = next_seq
         next_seq += 1
 
-    def new_slot(index: int) -> _Slot:
-        j = job(texts, index, args.seed * 100_000)
+    def new_slot(index: int, base: int) -> _Slot:
+        j = job(texts, index, base)
         segments = split_segments(j.text.text, max_chars=args.segment_max_chars)
         record = StreamRecord(
             job=j.index, system="engine-direct", fmt="f32", text_size=j.text.size, text_lang=j.text.lang
@@ -90,7 +90,7 @@ def main() -> int:
         slots: list[_Slot] = []
         while True:
             while len(slots) < concurrency and index < args.max_streams and time.perf_counter() < deadline:
-                slots.append(new_slot(index))
+                slots.append(new_slot(index, seed_base(args.seed, f"c{concurrency}")))
                 index += 1
             if not slots:
                 break

@@ -27,7 +27,7 @@ from bench import inproc
 from bench.audio import DEFAULT_SILENCE_THRESHOLD
 from bench.latency import StreamRecord
 from bench.load import LoadRun, poisson_arrivals
-from bench.textset import BenchText, Job, job
+from bench.textset import BenchText, Job, job, seed_base
 
 PAD_THRESHOLD = 1e-5
 
@@ -99,7 +99,7 @@ def open_loop(chat: Any, texts: list[BenchText], rate: float, args: Any, params:
         time.sleep(max(0.0, run.t_start + arrivals[served] - time.perf_counter()))
         now = time.perf_counter() - run.t_start
         waiting = [i for i in range(served, len(arrivals)) if arrivals[i] <= now][: args.max_batch]
-        batch = [job(texts, i, args.seed * 100_000) for i in waiting]
+        batch = [job(texts, i, seed_base(args.seed, f"r{rate:g}")) for i in waiting]
         records = infer_batch(chat, batch, params(batch[0].seed))
         for i, record in zip(waiting, records, strict=True):
             record.t_send = run.t_start + arrivals[i]
@@ -139,7 +139,6 @@ def main() -> int:
         )
 
     infer_batch(chat, [job(texts, 0, 0)], params(0))  # warm-up: numba normalizer, allocations
-    base_seed = args.seed * 100_000
     scenarios = []
     for concurrency in inproc.concurrencies(args):
         run = LoadRun(t_start=time.perf_counter())
@@ -147,7 +146,9 @@ def main() -> int:
         deadline = run.t_start + args.duration
         index = 0
         while time.perf_counter() < deadline and index < args.max_streams:
-            batch = [job(texts, index + k, base_seed) for k in range(concurrency)]
+            batch = [
+                job(texts, index + k, seed_base(args.seed, f"c{concurrency}")) for k in range(concurrency)
+            ]
             index += concurrency
             run.records.extend(infer_batch(chat, batch, params(batch[0].seed)))
         run.t_stop = min(time.perf_counter(), deadline)

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 from bench.latency import StreamRecord
 from bench.load import LoadRun
-from bench.servers import REPO_ROOT, open_log
+from bench.servers import REPO_ROOT, child_env, open_log
 from bench.textset import DEFAULT_TEXTS, BenchText, load_texts
 
 #: ChatTTS: one audio token decodes to 512 samples at 24 kHz.
@@ -48,7 +47,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--texts", type=Path, default=DEFAULT_TEXTS)
     parser.add_argument("--text-sizes", default="", help="comma-separated sizes to keep")
     parser.add_argument("--text-langs", default="", help="comma-separated languages to keep")
-    parser.add_argument("--seed", type=int, default=1, help="job seeds are seed*100000 + index")
+    parser.add_argument("--seed", type=int, default=1, help="base of the job seeds (bench.textset.seed_base)")
     parser.add_argument(
         "--max-audio-s", type=float, default=0.0, help="token cap per stream as audio seconds"
     )
@@ -114,7 +113,7 @@ async def run_child(module: str, args: list[str], out: Path, log_path: Path | No
             cwd=REPO_ROOT,
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=child_env(),
         )
         try:
             code = await proc.wait()

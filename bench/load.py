@@ -31,7 +31,8 @@ class LoadSpec:
         duration_s: no stream starts after this many seconds.
         max_streams: no more than this many streams in total.
         grace_s: after the last arrival, streams still running this long are cut.
-        seed: seeds the Poisson arrivals and the jobs' sampling seeds.
+        seed: seeds the Poisson arrivals.
+        seed_base: the first job's sampling seed (see :func:`bench.textset.seed_base`).
     """
 
     mode: str
@@ -41,6 +42,7 @@ class LoadSpec:
     max_streams: int = 1000
     grace_s: float = 60.0
     seed: int = 1
+    seed_base: int = 0
 
     @property
     def label(self) -> str:
@@ -84,7 +86,7 @@ async def closed_loop(texts: list[BenchText], spec: LoadSpec, runner: StreamRunn
         while time.perf_counter() < deadline and next_index < spec.max_streams and not stop.is_set():
             index = next_index
             next_index += 1
-            run.records.append(await runner(job(texts, index, spec.seed * 100_000), stop))
+            run.records.append(await runner(job(texts, index, spec.seed_base), stop))
         if not run.t_stop:
             run.t_stop = min(time.perf_counter(), deadline)
 
@@ -115,7 +117,7 @@ async def open_loop(texts: list[BenchText], spec: LoadSpec, runner: StreamRunner
     stop = asyncio.Event()
 
     async def one(index: int) -> None:
-        run.records.append(await runner(job(texts, index, spec.seed * 100_000), stop))
+        run.records.append(await runner(job(texts, index, spec.seed_base), stop))
 
     async with asyncio.TaskGroup() as group:
         streams: list[asyncio.Task[None]] = []

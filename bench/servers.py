@@ -41,6 +41,15 @@ def open_log(path: Path | None) -> IO[bytes] | int:
     return open(path, "ab") if path else asyncio.subprocess.DEVNULL
 
 
+#: Environment overrides for every process the harness starts (set by the CLI).
+CHILD_ENV: dict[str, str] = {}
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a started server or baseline: ours plus :data:`CHILD_ENV`, unbuffered."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **CHILD_ENV}
+
+
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a live process (Linux ``/proc``), else ``None``."""
     try:
@@ -112,7 +121,7 @@ class ServerProcess:
                 cwd=self.cwd,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=child_env(),
             )
         finally:
             if not isinstance(log, int):

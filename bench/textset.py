@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,17 @@ class Job:
     index: int
     text: BenchText
     seed: int
+
+
+def seed_base(seed: int, label: str, variant: int = 0) -> int:
+    """The first job seed of a scenario.
+
+    Distinct per scenario label (``c8``, ``r1.5``) and variant (the format's
+    position), so no request repeats within a run and a server's response
+    cache for seeded requests never answers one; the same for every system,
+    so the server and the in-process baselines synthesize the same jobs.
+    """
+    return seed * 100_000_000 + (zlib.crc32(label.encode()) % 10_000) * 10_000 + variant * 5_000
 
 
 def job(texts: list[BenchText], index: int, base_seed: int) -> Job:
