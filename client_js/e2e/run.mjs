@@ -61,6 +61,7 @@ async function startProxy(targetPort, cuts) {
         client.write(chunk);
         return;
       }
+      if (limit < 0) return; // cut: drop everything after the kill point
       const room = limit - forwarded;
       if (chunk.length < room) {
         forwarded += chunk.length;
@@ -69,10 +70,16 @@ async function startProxy(targetPort, cuts) {
       }
       client.write(chunk.subarray(0, Math.max(0, room)));
       killed.push(limit);
-      limit = null;
-      // The network goes away: reset both sides, no close handshake.
-      client.resetAndDestroy();
-      upstream.resetAndDestroy();
+      limit = -1;
+      forwarded = 0;
+      // Nothing more gets through; once the browser has read what was forwarded (a reset
+      // discards unread data, which would make the cut point random), the network goes away:
+      // both sides are reset, no close handshake.
+      upstream.pause();
+      setTimeout(() => {
+        client.resetAndDestroy();
+        upstream.resetAndDestroy();
+      }, 150);
     });
     const end = () => {
       client.destroy();
@@ -162,7 +169,7 @@ async function main() {
   try {
     for (const scenario of spec.scenarios ?? []) {
       const started = Date.now();
-      const result = await runScenario(browser, spec.server, scenario);
+      const result = await runScenario(browser, scenario.server ?? spec.server, scenario);
       result.wallMs = Date.now() - started;
       out.scenarios.push(result);
       console.error(`[e2e] ${scenario.name}: ${result.failed ? 'FAILED' : result.reason} in ${result.wallMs} ms`);
