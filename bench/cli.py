@@ -186,6 +186,7 @@ class Harness:
             "concurrency": spec.concurrency if spec.mode == "closed" else None,
             "rate": spec.rate if spec.mode == "open" else None,
             "format": fmt,
+            "loadavg_1m_after": os.getloadavg()[0],
             "summary": summary,
             "streams": streams,
         }

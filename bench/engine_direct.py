@@ -17,7 +17,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from bench import inproc
+from bench.audio import DEFAULT_SILENCE_THRESHOLD
 from bench.latency import StreamRecord
 from bench.load import LoadRun
 from bench.textset import Job, job, seed_base
@@ -30,6 +33,15 @@ class _Slot:
     record: StreamRecord
     seq_id: int = -1
     pending: list[str] = field(default_factory=list)
+
+
+def _note_audio(record: StreamRecord, audio: np.ndarray, now: float) -> None:
+    """Append one step's audio as a frame; note the first non-silent sample."""
+    if record.t_first_loud is None:
+        loud = np.flatnonzero(np.abs(audio) >= DEFAULT_SILENCE_THRESHOLD / 32768.0)
+        if loud.size:
+            record.t_first_loud, record.first_loud_sample = now, record.samples + int(loud[0])
+    record.frames.append((now, int(audio.size)))
 
 
 def main() -> int:
@@ -101,7 +113,7 @@ def main() -> int:
             for slot in list(slots):
                 result = results[slot.seq_id]
                 if result.audio.size:
-                    slot.record.frames.append((now, int(result.audio.size)))
+                    _note_audio(slot.record, result.audio, now)
                 if result.finished:
                     if slot.pending:
                         submit(slot)
