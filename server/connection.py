@@ -141,7 +141,9 @@ class Connection:
             )
         self.service.check_rate(self.client, msg.id)
         self._check_room(msg.id)
-        stream = self.service.open(msg, self, self._on_overflow)
+        request = self.ws.request
+        route = request.headers.get("X-Request-ID") if request is not None else None
+        stream = self.service.open(msg, self, self._on_overflow, route=route)
         attachment = self._attach(stream)
         session = stream.session
         await self._send_json(

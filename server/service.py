@@ -24,7 +24,7 @@ from server.limits import ClientLimiter
 from server.metrics import Metrics
 from server.protocol import ProtocolError, Start
 from server.scheduler import Scheduler
-from server.session import StreamSession, redact
+from server.session import StreamSession, new_stream_token, redact
 from server.streams import Stream, StreamRegistry
 from server.text import has_speakable, split_segments
 
@@ -70,7 +70,9 @@ class SpeechService:
                 retry_after_ms=wait_ms,
             )
 
-    def open(self, msg: Start, owner: object, on_overflow: Callable[[Stream], None]) -> Stream:
+    def open(
+        self, msg: Start, owner: object, on_overflow: Callable[[Stream], None], *, route: str | None = None
+    ) -> Stream:
         """Validate ``msg``, submit it to the scheduler (or answer it from the cache), register it.
 
         Raises:
@@ -91,6 +93,7 @@ class SpeechService:
             max_unsent_s=s.max_buffered_s,
             replay_max_s=s.replay_max_s,
             replay_max_bytes=s.replay_max_bytes,
+            token=new_stream_token(route),
         )
         stream = Stream(session, encoder, pool=self.encode_pool, on_overflow=on_overflow)
         key = cache_key(msg, segments, self.engine_identity) if self.cache is not None else None

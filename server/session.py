@@ -12,6 +12,7 @@ are added when sending. No sockets, no model, no encoder here.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from collections import deque
@@ -68,14 +69,27 @@ class ResumeExpired(ProtocolError):
         )
 
 
-def new_stream_token() -> str:
-    """An unguessable stream token: 192 random bits, URL-safe."""
-    return secrets.token_urlsafe(24)
+_ROUTE = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def new_stream_token(route: str | None = None) -> str:
+    """An unguessable stream token: 192 random bits, URL-safe.
+
+    With a ``route`` (the handshake's ``X-Request-ID`` that the ingress hashed
+    to pick this replica), the token is ``<route>.<secret>``, so that the ingress
+    can hash a reconnect's ``?resume=`` back to the same replica. Only the secret
+    part is unguessable; the route is not secret.
+    """
+    secret = secrets.token_urlsafe(24)
+    if route is not None and _ROUTE.fullmatch(route):
+        return f"{route}.{secret}"
+    return secret
 
 
 def redact(token: str) -> str:
-    """A token as it may appear in logs: enough to correlate, useless to resume."""
-    return token[:6] + "…"
+    """A token as it may appear in logs: the route and 6 characters of the secret."""
+    route, dot, secret = token.rpartition(".")
+    return f"{route}{dot}{secret[:6]}…"
 
 
 class StreamSession:

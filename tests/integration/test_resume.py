@@ -204,3 +204,11 @@ async def test_tokens_are_never_logged_in_full(make_app: Any, caplog: pytest.Log
     await read_until_cut(ws2, got, None)
     assert "resumed after seq" in caplog.text
     assert token not in caplog.text and token[:12] not in caplog.text
+
+
+async def test_token_carries_the_ingress_request_id(app: App) -> None:
+    ws, _ = await open_client(app.port, additional_headers={"X-Request-ID": "abc123"})
+    await start(ws, id="s", text="Routed.", seed=1)
+    started = await recv_json(ws)
+    assert started["stream"].startswith("abc123.") and len(started["stream"]) == len("abc123.") + 32
+    await ws.close()

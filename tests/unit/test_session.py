@@ -108,3 +108,12 @@ def test_registry_expires_detached_streams_after_ttl() -> None:
     now[0] = 30.0
     assert registry.expired() == [a]
     assert registry.get(b.token) is b and registry.active == 2
+
+
+def test_route_prefixed_tokens_for_ingress_affinity() -> None:
+    token = new_stream_token("req-42_A")
+    route, _, secret = token.partition(".")
+    assert route == "req-42_A" and len(secret) == 32
+    assert redact(token) == f"req-42_A.{secret[:6]}…"
+    # Anything that is not a plain id is ignored rather than copied into the token.
+    assert "." not in new_stream_token("bad id/with.stuff") and "." not in new_stream_token("x" * 65)
