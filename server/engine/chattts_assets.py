@@ -216,7 +216,7 @@ def load_chat(
     verbosity = hf_logging.get_verbosity()
     # ChatTTS deletes the Llama's embed_tokens (it has its own Embed), so transformers'
     # "weights newly initialized: embed_tokens" notice is expected noise.
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
         ok = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
     finally:

@@ -27,7 +27,7 @@ class GrowLayer(DynamicLayer):
     """One layer's KV cache in a buffer with spare capacity (amortized O(1) append)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._k = keys
         self._v = values
         self._n = length
@@ -35,9 +35,14 @@ class GrowLayer(DynamicLayer):
         self.is_initialized = True
         self._views()
 
-    def _views(self) -> None:
-        self.keys = self._k[:, :, : self._n]
-        self.values = self._v[:, :, : self._n]
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the filled positions ``(B, heads, length, head_dim)``."""
+        return self._k[:, :, : self._n], self._v[:, :, : self._n]
 
     @property
     def length(self) -> int:
@@ -62,8 +67,7 @@ class GrowLayer(DynamicLayer):
         self._k[:, :, self._n : self._n + k].copy_(key_states)
         self._v[:, :, self._n : self._n + k].copy_(value_states)
         self._n += k
-        self._views()
-        return self.keys, self.values
+        return self._views()
 
     def truncate(self, length: int) -> None:
         """Forget positions from ``length`` on (undoes a failed forward's appends)."""
@@ -159,8 +163,8 @@ def concat_groups(groups: list[RowGroup], headroom: int = 64) -> RowGroup:
     extra = [length - g.length for g in groups]
     layers = []
     for i in range(len(groups[0].layers)):
-        ks = [g.layers[i].keys for g in groups]
-        vs = [g.layers[i].values for g in groups]
+        ks = [g.layers[i].filled()[0] for g in groups]
+        vs = [g.layers[i].filled()[1] for g in groups]
         layers.append(GrowLayer(_buffers(ks, extra, headroom), _buffers(vs, extra, headroom), length))
     return RowGroup(
         ids=[s for g in groups for s in g.ids],

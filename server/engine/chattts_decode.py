@@ -26,6 +26,7 @@ error against a one-shot decode is measured by ``tests/model/test_chattts_seams.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +44,7 @@ def samples_for_tokens(n_tokens: int) -> int:
     return SAMPLES_PER_TOKEN * n_tokens - EDGE_SAMPLES if n_tokens > 0 else 0
 
 
-def make_decode_fn(decoder: torch.nn.Module, vocos: torch.nn.Module) -> DecodeFn:
+def make_decode_fn(decoder: torch.nn.Module, vocos: Any) -> DecodeFn:
     """One-shot decode ``(T, hidden)`` GPT hidden states → float32 samples (ChatTTS's ``_decode_to_wavs``)."""
 
     def decode(hiddens: torch.Tensor) -> npt.NDArray[np.float32]:

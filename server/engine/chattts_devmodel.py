@@ -133,7 +133,14 @@ def build_tokenizer(directory: Path) -> int:
     U+4E00–U+9FA5 and ChatTTS's control tokens; anything else becomes
     ``[UNK]``. The real ChatTTS vocabulary is not available offline.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import (  # type: ignore[import-untyped]
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     chars = [chr(c) for c in range(0x21, 0x7F)]
     vocab_list = [*_BERT_SPECIALS, *chars, *(f"##{c}" for c in chars)]
@@ -146,7 +153,7 @@ def build_tokenizer(directory: Path) -> int:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _BERT_SPECIALS])
     # Not normalized: the lowercasing normalizer must not hide "[Stts]" from the matcher.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHATTTS_TOKENS])
-    fast = BertTokenizerFast(
+    fast = BertTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         unk_token="[UNK]",
         pad_token="[PAD]",
@@ -222,7 +229,7 @@ def make_dev_model(size: Literal["tiny", "full"], directory: Path, seed: int = 0
 
     with torch.no_grad():
         g = asdict(config.gpt)
-        llama_cfg = LlamaConfig(
+        llama_cfg = LlamaConfig(  # type: ignore[no-untyped-call]
             hidden_size=g["hidden_size"],
             intermediate_size=g["intermediate_size"],
             num_attention_heads=g["num_attention_heads"],
