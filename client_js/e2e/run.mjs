@@ -9,7 +9,7 @@
 // SPEC: {"server": "http://127.0.0.1:PORT", "scenarios": [{"name": ..., "text": ..., "seed": ...,
 //        "format": "pcm16"|"f32"|"opus", "cutAfterBytes": [n, ...], "dropAfterFrames": [n, ...],
 //        "startThresholdMs": ...}],
-//        "screenshot": {"path": "...", "text": "..."}   (optional: the demo page)}
+//        "screenshots": [{"path": "...", "text": "...", ...}]   (optional: the demo page)}
 // A scenario with cutAfterBytes goes through a TCP proxy that kills its WebSocket connections
 // abruptly (RST, no close handshake) after forwarding that many bytes to the browser: the first
 // number for the first connection, and so on.
@@ -128,28 +128,46 @@ async function runScenario(browser, serverUrl, scenario) {
   }
 }
 
-/** Screenshot of the demo page after one spoken text. */
+/**
+ * Screenshot of the demo page while or after it speaks a text.
+ * spec: {path, text?, format?, dropAfterMs? (press "Drop connection"), shotAfterMs? (shoot while
+ * playing instead of when finished)}
+ */
 async function screenshot(browser, serverUrl, spec) {
   const page = await browser.newPage({ viewport: { width: 1000, height: 720 }, deviceScaleFactor: 1 });
   const logs = [];
   page.on('pageerror', (err) => logs.push(`pageerror: ${err.message}`));
+  page.on('console', (msg) => msg.type() === 'error' && logs.push(`console: ${msg.text()}`));
+  const stats = () =>
+    page.evaluate(() => ({
+      ttfa: document.querySelector('#ttfa')?.textContent,
+      underruns: document.querySelector('#underruns')?.textContent,
+      reconnects: document.querySelector('#reconnects')?.textContent,
+      state: document.querySelector('#state')?.textContent,
+      format: document.querySelector('#wire-format')?.textContent,
+      segments: document.querySelectorAll('#segments li').length,
+    }));
   try {
     await page.goto(`${serverUrl}/`);
     await page.waitForSelector('#play:not([disabled])');
     if (spec.text) await page.fill('#text', spec.text);
     if (spec.format) await page.selectOption('#format', spec.format);
+    const clicked = Date.now();
     await page.click('#play');
+    if (spec.dropAfterMs !== undefined) {
+      await page.waitForTimeout(spec.dropAfterMs);
+      await page.click('#drop');
+    }
+    if (spec.shotAfterMs !== undefined) {
+      await page.waitForTimeout(Math.max(0, spec.shotAfterMs - (Date.now() - clicked)));
+      await page.screenshot({ path: spec.path, fullPage: true });
+      return { ...(await stats()), logs };
+    }
     await page.waitForFunction(() => document.querySelector('#state')?.textContent === 'finished', null, {
       timeout: 60000,
     });
-    const stats = await page.evaluate(() => ({
-      ttfa: document.querySelector('#ttfa')?.textContent,
-      underruns: document.querySelector('#underruns')?.textContent,
-      state: document.querySelector('#state')?.textContent,
-      format: document.querySelector('#wire-format')?.textContent,
-    }));
     await page.screenshot({ path: spec.path, fullPage: true });
-    return { ...stats, logs };
+    return { ...(await stats()), logs };
   } catch (err) {
     return { failed: String(err?.stack ?? err), logs };
   } finally {
@@ -174,7 +192,10 @@ async function main() {
       out.scenarios.push(result);
       console.error(`[e2e] ${scenario.name}: ${result.failed ? 'FAILED' : result.reason} in ${result.wallMs} ms`);
     }
-    if (spec.screenshot) out.screenshot = await screenshot(browser, spec.server, spec.screenshot);
+    out.screenshots = [];
+    for (const shot of spec.screenshots ?? []) {
+      out.screenshots.push(await screenshot(browser, shot.server ?? spec.server, shot));
+    }
   } finally {
     await browser.close();
   }

@@ -164,15 +164,18 @@ export class SpeechStream extends Emitter {
 
   /** Stop the stream now: playback stops and the server stops generating. */
   cancel() {
-    if (this.state.finished) return;
+    if (this.endReason !== null) return;
     const phase = this.state.phase;
     this.player?.stop();
     this.decoder?.close();
-    if ((phase === 'starting' || phase === 'live') && this.client.canSend()) {
-      this.client.send(cancelMessage(this.id));
+    if (!this.state.finished) {
+      // Still generating: tell the server. (After `done` only the local playback stops.)
+      if ((phase === 'starting' || phase === 'live') && this.client.canSend()) {
+        this.client.send(cancelMessage(this.id));
+      }
+      this.state.phase = 'cancelled';
+      this.client.forget(this);
     }
-    this.state.phase = 'cancelled';
-    this.client.forget(this);
     this.finish('cancelled');
   }
 

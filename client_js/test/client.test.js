@@ -319,6 +319,25 @@ test('cancel stops the player and tells the server', async () => {
   client.close();
 });
 
+test('cancel after done stops the playback only', async () => {
+  const { client, audio } = makeClient();
+  const stream = client.speak('x', { format: 'pcm16', id: 'a' });
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 1);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 'tok', format: 'pcm16', sample_rate: 24000, frame_ms: 20 });
+  ws.frame({ seq: 0, flags: FLAG_LAST });
+  audio.createPlayer = () => assert.fail('no second player');
+  const player = audio.players[0];
+  player.end = () => {}; // still playing out: 'ended' does not come yet
+  ws.json({ type: 'done', id: 'a', slot: 0, reason: 'complete', last_seq: 0, samples: 4 });
+  stream.cancel();
+  assert.equal(player.stopped, true);
+  assert.equal(ws.sent.length, 1); // no cancel for a stream the server finished
+  assert.equal((await stream.finished).reason, 'cancelled');
+  client.close();
+});
+
 test('opus: 48 kHz, packets to the decoder, done.samples ends it; PCM fallback without WebCodecs', async () => {
   const { client, audio } = makeClient(fakeAudio({ opus: true }));
   const stream = client.speak('x', { format: 'opus', id: 'a' });
