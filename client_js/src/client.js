@@ -364,6 +364,7 @@ export class SpeechStream extends Emitter {
     if (this.endReason !== null) return;
     this.endReason = reason;
     this.decoder?.close();
+    if (!this.options.tap) this.player?.close(); // a tapped player stays for tapped()
     this.emit('ended', { reason });
     this.resolveFinished({ reason, metrics: { ...this.metrics } });
   }
