@@ -94,6 +94,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
 /**
  * @typedef {object} ClientOptions
  * @property {string} [url] `ws(s)://host:port/v1/stream`, or an http(s) origin (default: the page's)
+ * @property {string} [apiKey] sent as `?api_key=` when the server requires keys
  * @property {typeof WebSocket} [WebSocket] the WebSocket constructor (tests inject a fake)
  * @property {AudioBackend} [audio] default: Web Audio + WebCodecs (player.js)
  * @property {ConstructorParameters<typeof Backoff>[0]} [reconnect] backoff settings
@@ -382,7 +383,7 @@ export class TTSClient extends Emitter {
     super();
     const base = options.url ?? globalThis.location?.origin;
     if (!base) throw new TypeError('TTSClient needs a url outside a browser page');
-    this.url = streamUrl(base);
+    this.url = streamUrl(base, { apiKey: options.apiKey });
     this.WebSocket = options.WebSocket ?? globalThis.WebSocket;
     /** @type {AudioBackend} */
     this.audio = options.audio ?? webAudioBackend;
@@ -505,7 +506,7 @@ export class TTSClient extends Emitter {
   connect() {
     this.reconnectTimer = null;
     const firstToken = [...this.streams.values()].find((s) => s.state.token && !s.state.finished)?.state.token;
-    const ws = new this.WebSocket(streamUrl(this.url, firstToken ?? undefined));
+    const ws = new this.WebSocket(streamUrl(this.url, { resume: firstToken ?? undefined }));
     ws.binaryType = 'arraybuffer';
     this.ws = ws;
     this.hello = null;

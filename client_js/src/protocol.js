@@ -171,19 +171,22 @@ export function parseMessage(text) {
 export const RETRYABLE_CODES = Object.freeze(['rate_limited', 'overloaded']);
 
 /**
- * The WebSocket URL for the stream endpoint, with `?resume=<token>` for load-balancer affinity.
+ * The WebSocket URL for the stream endpoint, with `?resume=<token>` for load-balancer affinity
+ * and `?api_key=` where the server wants a key (browsers cannot set WebSocket headers). Other
+ * query parameters of `base` are kept.
  * @param {string} base `ws://host:port/v1/stream` or an http(s) page URL / origin
- * @param {string} [resumeToken]
+ * @param {{resume?: string, apiKey?: string}} [params]
  * @returns {string}
  */
-export function streamUrl(base, resumeToken) {
+export function streamUrl(base, params = {}) {
   const url = new URL(base);
   if (url.protocol === 'http:') url.protocol = 'ws:';
   if (url.protocol === 'https:') url.protocol = 'wss:';
   if (!url.pathname.endsWith('/v1/stream')) url.pathname = '/v1/stream';
-  url.search = '';
   url.hash = '';
-  if (resumeToken) url.searchParams.set('resume', resumeToken);
+  url.searchParams.delete('resume');
+  if (params.apiKey) url.searchParams.set('api_key', params.apiKey);
+  if (params.resume) url.searchParams.set('resume', params.resume);
   return url.toString();
 }
 

@@ -387,3 +387,17 @@ test('reconnecting gives up at the attempt limit and fails the streams', async (
   assert.equal(FakeSocket.all.length, 4);
   client.close();
 });
+
+test('an API key rides on every connection URL, with the resume token after a drop', async () => {
+  const { client } = makeClient(fakeAudio(), { apiKey: 'sekrit' });
+  client.speak('x', { format: 'pcm16', id: 'a' });
+  const ws1 = FakeSocket.all[0];
+  assert.equal(ws1.url, 'ws://tts.test:8080/v1/stream?api_key=sekrit');
+  ws1.json(HELLO);
+  await until(() => ws1.sent.length === 1);
+  ws1.json({ type: 'started', id: 'a', slot: 0, stream: 'tok', format: 'pcm16', sample_rate: 24000, frame_ms: 20 });
+  ws1.drop();
+  await until(() => FakeSocket.all.length === 2);
+  assert.equal(FakeSocket.all[1].url, 'ws://tts.test:8080/v1/stream?api_key=sekrit&resume=tok');
+  client.close();
+});

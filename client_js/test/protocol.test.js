@@ -100,5 +100,10 @@ test('server messages need JSON with a string type', () => {
 test('stream URLs from origins, with the resume token for affinity', () => {
   assert.equal(streamUrl('http://127.0.0.1:8080'), 'ws://127.0.0.1:8080/v1/stream');
   assert.equal(streamUrl('https://tts.example/'), 'wss://tts.example/v1/stream');
-  assert.equal(streamUrl('ws://h:1/v1/stream?resume=old', 'a_b-c'), 'ws://h:1/v1/stream?resume=a_b-c');
+  assert.equal(streamUrl('ws://h:1/v1/stream?resume=old', { resume: 'a_b-c' }), 'ws://h:1/v1/stream?resume=a_b-c');
+  assert.equal(streamUrl('ws://h:1/v1/stream?resume=old&x=1'), 'ws://h:1/v1/stream?x=1');
+  assert.equal(
+    streamUrl('http://h:1', { apiKey: 'k+/=', resume: 't' }),
+    'ws://h:1/v1/stream?api_key=k%2B%2F%3D&resume=t',
+  );
 });
