@@ -106,8 +106,8 @@ def main() -> int:
                 index += 1
             if not slots:
                 break
-            if not run.t_stop and (time.perf_counter() >= deadline or index >= args.max_streams):
-                run.t_stop = min(time.perf_counter(), deadline)
+            if not run.t_stop and len(slots) < concurrency:  # a slot was not refilled: the load ends
+                run.t_stop = time.perf_counter()
             results = {r.seq_id: r for r in engine.step([s.seq_id for s in slots])}
             now = time.perf_counter()
             for slot in list(slots):

@@ -57,9 +57,10 @@ class LoadRun:
     Attributes:
         records: one per stream, in completion order.
         t_start: when the first stream was issued.
-        t_stop: when the offered load stopped being held (closed loop: the
-            deadline, or earlier when the first worker ran out of jobs; open
-            loop: the deadline, or the last arrival when the count ran out).
+        t_stop: when the offered load stopped being held (closed loop: when
+            the first worker left, i.e. until then all N streams were in
+            flight; open loop: the deadline, or the last arrival when the
+            count ran out).
         t_end: when the last stream ended.
     """
 
@@ -87,8 +88,8 @@ async def closed_loop(texts: list[BenchText], spec: LoadSpec, runner: StreamRunn
             index = next_index
             next_index += 1
             run.records.append(await runner(job(texts, index, spec.seed_base), stop))
-        if not run.t_stop:
-            run.t_stop = min(time.perf_counter(), deadline)
+        if not run.t_stop:  # the first worker to leave ends the window with all N streams in flight
+            run.t_stop = time.perf_counter()
 
     async with asyncio.TaskGroup() as group:
         workers = [group.create_task(worker()) for _ in range(spec.concurrency)]

@@ -45,7 +45,8 @@ def summarize(
     ``throughput.audio_s_per_wall_s`` divides all audio by the whole run
     (first request to last ``done``); ``steady_audio_s_per_wall_s`` counts
     only audio that arrived while the offered load was held
-    (``[t_start, t_stop]``), so the drain at the end does not dilute it.
+    (``[t_start, t_stop]``: in a closed loop, while all N streams were in
+    flight), so the drain at the end does not dilute it.
     ``audio_s_per_cpu_s`` divides by the CPU seconds the system under test
     used, when known (a server the harness started, or an in-process run).
     """
