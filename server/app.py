@@ -32,6 +32,7 @@ from server.limits import ApiKeys, client_identity, origin_allowed, presented_ke
 from server.metrics import Metrics
 from server.scheduler import Scheduler, SchedulerConfig
 from server.service import SpeechService
+from server.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class App:
         )
         self.service = SpeechService(settings, self.scheduler, self.metrics)
         self.connections: set[Connection] = set()
+        self.warmed_up = asyncio.Event()
+        self._warmup_task: asyncio.Task[None] | None = None
         self._server: Server | None = None
         self.api_keys = ApiKeys(_api_keys(settings))
         self.allowed_origins = frozenset(o.strip() for o in settings.allowed_origins.split(",") if o.strip())
@@ -86,6 +89,7 @@ class App:
         """Load the engine and listen (``/ready`` turns 200 after warm-up)."""
         await self.scheduler.start()
         self.service.start()
+        self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
         s = self.settings
         self._server = await serve(
             self._handle,
@@ -145,8 +149,19 @@ class App:
             log.warning("drain timeout: %d streams still running are cut off", self._busy_streams())
         await self.stop()
 
+    async def _warm_up(self) -> None:
+        """Typical requests through the real path; ``/ready`` waits for them."""
+        if self.settings.warmup:
+            while not self.scheduler.ready.is_set():  # bounded waits: stop() must not hang on this
+                await asyncio.to_thread(self.scheduler.ready.wait, 0.5)
+            await warm_up(self.scheduler)
+        self.warmed_up.set()
+
     async def stop(self) -> None:
         """Close every connection with 1012, stop listening and stop the inference loop."""
+        if self._warmup_task is not None:
+            self._warmup_task.cancel()
+            await asyncio.gather(self._warmup_task, return_exceptions=True)
         await self.http.stop()
         if self._server is not None:
             self._server.close(close_connections=False)
@@ -185,7 +200,12 @@ class App:
     @property
     def ready(self) -> bool:
         """Warm-up finished, not draining, and the engine breaker is closed."""
-        return self.scheduler.ready.is_set() and not self.draining and not self.scheduler.breaker_open
+        return (
+            self.scheduler.ready.is_set()
+            and self.warmed_up.is_set()
+            and not self.draining
+            and not self.scheduler.breaker_open
+        )
 
     @property
     def healthy(self) -> bool:

@@ -169,6 +169,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._intake: list[Command] = []
         self._stop = False
+        self._stopped = False  # the loop thread has ended (set by it, read by submit)
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -250,6 +251,10 @@ class Scheduler:
         Raises:
             Overloaded: the queue already holds ``max_queue`` sequences.
         """
+        if self._stopped:
+            raise ProtocolError("internal", "the inference loop is not running")
+        if self.breaker_open:  # /ready fails meanwhile, so a load balancer routes elsewhere
+            raise Overloaded(int(self.config.breaker_probe_interval_s * 1000))
         if self.queued >= self.config.max_queue:
             raise Overloaded(self.retry_after_ms())
         stream = _Stream(
@@ -294,7 +299,7 @@ class Scheduler:
         loaded.set()
         try:
             if self._warmup:
-                self._engine.warmup()
+                self._warm_engine()
             self.ready.set()
             while self._iterate():
                 pass
@@ -303,8 +308,24 @@ class Scheduler:
             raise
         finally:
             self.ready.clear()
+            self._stopped = True
             self._fail_everything()
             self._engine.close()
+
+    def _warm_engine(self) -> None:
+        """The engine's own warm-up; a failure opens the breaker instead of killing the loop."""
+        try:
+            self.engine.warmup()
+        except Exception:
+            log.exception("engine warm-up failed; the breaker stays open until a probe succeeds")
+            self._open_breaker()
+
+    def _open_breaker(self) -> None:
+        """Stop taking work: ``/ready`` fails, new streams get ``overloaded``, waiting ones fail now."""
+        self._breaker_opened_at = time.monotonic()
+        self._metrics.breaker_open.set(1)
+        for _, _, entry in list(self._waiting):
+            self._fail_stream(entry.stream, "the model is failing; retry later or elsewhere")
 
     def _iterate(self) -> bool:
         """One round: intake, admission, one step. Returns False to stop."""
@@ -537,10 +558,10 @@ class Scheduler:
         log.error("engine step failed for %d sequences: %r", len(seq_ids), exc)
         self._metrics.engine_failures.labels(kind="error").inc()
         self._consecutive_failures += 1
+        # The breaker opens first, so that whoever hears of these failures sees it open.
         if self._consecutive_failures >= self.config.breaker_threshold and self._breaker_opened_at is None:
-            self._breaker_opened_at = time.monotonic()
-            self._metrics.breaker_open.set(1)
             log.error("breaker open after %d consecutive failures", self._consecutive_failures)
+            self._open_breaker()
         for seq_id in seq_ids:
             stream = self._running.get(seq_id)
             if stream is not None:
@@ -589,6 +610,11 @@ class Scheduler:
             self._count_waiting()
 
     def _fail_everything(self) -> None:
+        """The loop is ending: every stream still here, or still in the intake, gets an error."""
+        with self._cond:
+            commands, self._intake = self._intake, []
+        for command in commands:
+            command()
         for stream in list(self._streams.values()):
             self._fail_stream(stream, "the inference loop stopped")
 

@@ -105,9 +105,13 @@ class SpeechService:
             if key is not None:
                 self.metrics.cache_misses.inc()
                 stream.on_complete = lambda done: self._store(key, done)
-            stream.handle = self.scheduler.submit(
-                segments, params_of(msg), stream.feed, incremental=msg.incremental
-            )
+            try:
+                stream.handle = self.scheduler.submit(
+                    segments, params_of(msg), stream.feed, incremental=msg.incremental
+                )
+            except ProtocolError as err:  # overloaded, breaker open: name the stream it concerns
+                err.stream_id = msg.id
+                raise
             if feed is not None:
                 feed.handle = stream.handle
                 stream.text_feed = feed

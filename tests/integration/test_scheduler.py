@@ -14,6 +14,7 @@ import pytest
 from server.engine.base import SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from server.metrics import Metrics
+from server.protocol import ProtocolError
 from server.scheduler import (
     AudioChunk,
     Overloaded,
@@ -240,3 +241,27 @@ async def test_cancel_frees_the_row_at_the_next_block_boundary() -> None:
         assert later_steps == []
         await wait_all([keep])
         assert keep.end.reason == "complete"
+
+
+async def test_failed_engine_warm_up_opens_the_breaker_instead_of_killing_the_loop() -> None:
+    engine = FakeEngine()
+    engine.failures.fail_steps = 2  # the start-up warm-up and the first probe fail
+    async for sched in run_scheduler(engine, breaker_probe_interval_s=0.1):
+        assert sched.breaker_open and sched.alive
+        with pytest.raises(Overloaded):
+            sched.submit(["refused while broken."], SynthesisParams(seed=1), Sink())
+        async with asyncio.timeout(20):
+            while sched.breaker_open:
+                await asyncio.sleep(0.01)
+        sink = Sink()
+        sched.submit(["served after recovery."], SynthesisParams(seed=1), sink)
+        await wait_all([sink])
+        assert sink.end.reason == "complete"
+
+
+async def test_a_stopped_loop_refuses_new_streams(engine: FakeEngine) -> None:
+    async for sched in run_scheduler(engine):
+        await sched.stop()
+        with pytest.raises(ProtocolError) as refused:
+            sched.submit(["too late."], SynthesisParams(seed=1), Sink())
+        assert refused.value.code == "internal"
