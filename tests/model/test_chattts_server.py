@@ -1,0 +1,139 @@
+"""The tiny random-weight ChatTTS model behind the real server, over real WebSockets.
+
+Only loopback traffic is allowed here: the server must never reach for the hub.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.app import App
+from server.config import load_settings
+from tests.integration.test_resume import broken_run, unbroken
+from tests.wsclient import collect, open_client, start
+
+TEXT = "第一句话在这里。The second sentence is here. 第三句话结束了。"
+_real_connect = socket.socket.connect
+_real_getaddrinfo = socket.getaddrinfo
+
+
+def _loopback_only_connect(sock: socket.socket, address: Any) -> Any:
+    host = address[0] if isinstance(address, tuple) else None
+    if host is None or not ipaddress.ip_address(host).is_loopback:
+        raise AssertionError(f"network use attempted: {address!r}")
+    return _real_connect(sock, address)
+
+
+def _loopback_only_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+    if host not in ("127.0.0.1", "::1", "localhost", None):
+        raise AssertionError(f"DNS lookup attempted: {host!r}")
+    return _real_getaddrinfo(host, *args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_network_in_model_tests() -> Iterator[None]:  # overrides the package's stricter guard
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setattr(socket.socket, "connect", _loopback_only_connect)
+    mp.setattr(socket, "getaddrinfo", _loopback_only_getaddrinfo)
+    yield
+    mp.undo()
+
+
+@pytest.fixture
+async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
+    settings = load_settings(
+        [
+            "--engine",
+            "chattts",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            "0",
+            "--cache-bytes",
+            "0",
+            "--resume-ttl-s",
+            "30",
+        ],
+        env={},
+    )
+    app = App(settings)
+    await app.start()
+    await app.warmed_up.wait()
+    yield app
+    await app.stop()
+
+
+async def test_three_sentences_stream_with_token_implied_lengths(model_app: App) -> None:
+    ws, hello = await open_client(model_app.port)
+    assert hello["server"].endswith("(chattts)")
+    tokens_before = _tokens(model_app)
+    await start(ws, id="m", text=TEXT, seed=3)
+    log = (await collect(ws, {"m"}))["m"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete"
+    assert [s["text"] for s in log.segments] == [
+        "第一句话在这里。",
+        "The second sentence is here.",
+        "第三句话结束了。",
+    ]
+    assert [f.header.seq for f in log.frames] == list(range(len(log.frames)))
+    total = log.done["samples"]
+    assert total == len(log.payload) // 2
+    # Each segment's audio is what its tokens decode to: 512·N − 256 samples.
+    starts = [s["sample"] for s in log.segments] + [total]
+    lengths = [b - a for a, b in itertools.pairwise(starts)]
+    assert all(length > 0 and (length + 256) % 512 == 0 for length in lengths), lengths
+    tokens = _tokens(model_app) - tokens_before
+    assert total == 512 * tokens - 256 * len(lengths)
+
+
+async def test_same_seed_alone_twice_is_identical(model_app: App) -> None:
+    payloads = []
+    for _ in range(2):
+        ws, _ = await open_client(model_app.port)
+        await start(ws, id="d", text=TEXT, seed=42, voice="seed:7")
+        payloads.append((await collect(ws, {"d"}))["d"].payload)
+        await ws.close()
+    assert payloads[0] == payloads[1] and len(payloads[0]) > 0
+
+
+@pytest.mark.parametrize("fmt", ["pcm16", "opus"])
+async def test_cut_and_resume_with_the_tiny_model(model_app: App, fmt: str) -> None:
+    expected = await unbroken(model_app.port, fmt, 5)
+    got = await broken_run(model_app.port, fmt, 5, [3, 9])
+    assert got == expected
+
+
+async def test_incremental_text_with_the_tiny_model(model_app: App) -> None:
+    ws, _ = await open_client(model_app.port)
+    await start(ws, id="i", incremental=True, seed=8, max_buffer_delay_ms=5000)
+    for piece in ["第一句", "话在这里。", "The second ", "sentence is here. ", "第三句话", "结束了。"]:
+        await ws.send(json.dumps({"type": "append", "id": "i", "text": piece}))
+    await ws.send(json.dumps({"type": "end", "id": "i"}))
+    log = (await collect(ws, {"i"}))["i"]
+    await start(ws, id="o", text=TEXT, seed=8)
+    once = (await collect(ws, {"o"}))["o"]
+    await ws.close()
+    assert [s["text"] for s in log.segments] == [s["text"] for s in once.segments]
+    assert log.done is not None and log.done["reason"] == "complete"
+    assert log.payload == once.payload
+
+
+def _tokens(app: App) -> int:
+    for line in app.metrics.render().decode().splitlines():
+        if line.startswith("chattts_tokens_generated_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no token counter")
