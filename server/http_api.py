@@ -156,11 +156,14 @@ class HttpApi:
         self.settings = app.settings
         self.service = app.service
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
         self.port: int | None = None  # bound port once started; None when off
 
     async def start(self) -> None:
-        """Listen on ``--http-port`` (-1: WebSocket port + 1, ephemeral with ``--port 0``; 0: off)."""
+        """Listen on ``--http-port`` (-1: WebSocket port + 1, ephemeral with ``--port 0``; 0: off).
+
+        With the default (-1), a busy port leaves the HTTP API off with a warning rather than
+        failing the server; an explicit port that cannot be bound raises ``OSError``.
+        """
         s = self.settings
         port = s.http_port
         if port == 0:
@@ -175,8 +178,16 @@ class HttpApi:
         # while the handler waits for audio, so its generation stops within one block.
         self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, s.host, port)
-        await self._site.start()
+        try:
+            await web.TCPSite(self._runner, s.host, port).start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            self._runner = None
+            if s.http_port > 0:
+                raise
+            # The port was not asked for: the WebSocket server must not fail because of it.
+            log.warning("OpenAI-compatible HTTP is off: port %d: %s (set --http-port)", port, exc)
+            return
         self.port = int(self._runner.addresses[0][1])
         log.info("OpenAI-compatible HTTP on http://%s:%d/v1", s.host, self.port)
 

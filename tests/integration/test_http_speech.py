@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import wave
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,12 @@ import soundfile
 from openai import AsyncOpenAI
 
 from server.app import App
-from server.engine.fake import FakeEngine
+from server.audio.pcm import to_pcm16
+from server.engine.base import SequenceRequest, SynthesisParams
+from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
 from server.http_api import OPENAI_VOICES, wav_header
 from server.text import split_segments
+from tests.integration.conftest import fake_settings
 from tests.wsclient import collect, open_client, start
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"
@@ -130,6 +134,8 @@ async def test_first_bytes_arrive_before_generation_finishes(make_app: Any) -> N
     engine = fake_engine(app)
     segments = split_segments(TEXT)
     assert len(segments) == 5
+    await wait_until(lambda: app.ready and engine.live_sequences == 0)  # warm-up done: the log is ours
+    before = len(engine.events)
     async with (
         client(app) as oai,
         oai.audio.speech.with_streaming_response.create(
@@ -139,13 +145,13 @@ async def test_first_bytes_arrive_before_generation_finishes(make_app: Any) -> N
         chunks = response.iter_bytes()
         first = await anext(chunks)
         # The engine log at the moment the first bytes are in the client's hands.
-        finished = [seq for kind, seq in engine.events if kind == "finish"]
+        finished = [seq for kind, seq in list(engine.events)[before:] if kind == "finish"]
         steps = len(engine.steps)
         assert first
         assert len(finished) < len(segments)
         assert engine.live_sequences > 0
         rest = b"".join([chunk async for chunk in chunks])
-    assert len([1 for kind, _ in engine.events if kind == "finish"]) == len(segments)
+    assert len([1 for kind, _ in list(engine.events)[before:] if kind == "finish"]) == len(segments)
     assert len(engine.steps) > steps  # generation went on after the first bytes
     assert first + rest == await ws_payload(app, text=TEXT, seed=7, voice="default")
 
@@ -255,3 +261,84 @@ async def test_models_and_voices(app: App) -> None:
 async def test_http_api_can_be_turned_off(make_app: Any) -> None:
     app = await make_app("--http-port", "0")
     assert app.http.port is None
+
+
+async def test_engine_error_before_audio_is_a_json_500(app: App) -> None:
+    status, _, answer = await post(app, {"model": "tts-1", "input": f"Broken {FAIL_MARKER} words."})
+    assert_openai_error(status, answer, "engine_error", None, expected_status=500)
+    assert answer["error"]["type"] == "server_error"
+    await wait_until(lambda: app.active_streams == 0 and len(app.service.registry) == 0)
+
+
+async def test_engine_error_after_audio_cuts_the_body_off(make_app: Any) -> None:
+    # Without look-ahead the failing sentence runs only after the first one is sent.
+    app = await make_app("--fake-step-ms", "30", "--segment-lookahead", "0")
+    text = "This first sentence is fine and long enough for a few blocks. " + f"Then {FAIL_MARKER} fails."
+    body = {"model": "tts-1", "input": text, "response_format": "pcm", "seed": 2}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{base_url(app)}/audio/speech", json=body) as resp,
+    ):
+        assert resp.status == 200
+        # The chunked body never ends cleanly: the client cannot take it for a whole file.
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    await wait_until(lambda: fake_engine(app).live_sequences == 0 and len(app.service.registry) == 0)
+
+
+async def test_drain_lets_a_running_response_finish_and_refuses_new_ones(make_app: Any) -> None:
+    app = await make_app("--fake-step-ms", "20")
+    body = {"model": "tts-1", "input": TEXT, "response_format": "pcm", "seed": 7}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{base_url(app)}/audio/speech", json=body) as resp:
+            first = await resp.content.readany()
+            drain = asyncio.create_task(app.drain())
+            await wait_until(lambda: app.draining)
+            async with session.post(f"{base_url(app)}/audio/speech", json=body) as late:
+                assert late.status == 503 and (await late.json())["error"]["code"] == "shutting_down"
+            got = first + await resp.read()
+        await drain
+    reference = await reference_after_drain(TEXT, seed=7)
+    assert got == reference
+
+
+async def reference_after_drain(text: str, seed: int) -> bytes:
+    """The expected PCM of a stream, from the fake engine's definition (the drained app is gone)."""
+    segments = split_segments(text)
+    params = SynthesisParams(seed=seed)
+    parts = [
+        expected_audio(SequenceRequest(seq_id=0, text=seg, params=params, seed_offset=k))
+        for k, seg in enumerate(segments)
+    ]
+    return to_pcm16(np.concatenate(parts)).tobytes()
+
+
+def busy_port_after_a_free_one() -> tuple[int, socket.socket]:
+    """A port P that was free a moment ago and a listening socket on P + 1."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+        blocker = socket.socket()
+        try:
+            blocker.bind(("127.0.0.1", port + 1))
+        except OSError:
+            blocker.close()
+            continue
+        blocker.listen()
+        return port, blocker
+
+
+async def test_a_busy_default_port_leaves_http_off_not_the_server(make_app: Any) -> None:
+    port, blocker = busy_port_after_a_free_one()
+    with blocker:
+        app = await make_app("--port", str(port))  # the default http port is --port + 1: busy
+        assert app.http.port is None
+        ws, _ = await open_client(app.port)
+        await ws.close()
+        explicit = App(fake_settings("--http-port", str(port + 1)))
+        try:
+            with pytest.raises(OSError):  # a port asked for explicitly must be had
+                await explicit.start()
+        finally:
+            await explicit.stop()
