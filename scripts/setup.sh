@@ -25,7 +25,9 @@ as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
 # --- system packages --------------------------------------------------------
 APT_PACKAGES=(libopus0)
 if [[ $DEV -eq 1 ]]; then
-  APT_PACKAGES+=(opus-tools)
+  # opus-tools: opusinfo/opusdec check our Ogg Opus; chromium (+ node) runs the browser tests.
+  APT_PACKAGES+=(opus-tools chromium)
+  command -v node >/dev/null || APT_PACKAGES+=(nodejs npm)
 fi
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -38,6 +40,16 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
     log "please install these system packages yourself: ${missing[*]}" && exit 1
+  fi
+fi
+
+# --- browser-client test tools (npm, offline-safe: no browser download) --------
+if [[ $DEV -eq 1 ]]; then
+  lock_hash="$(sha256sum client_js/package-lock.json | cut -c1-16)"
+  if [[ ! -f client_js/node_modules/.setup-stamp || "$(cat client_js/node_modules/.setup-stamp)" != "$lock_hash" ]]; then
+    log "installing client_js test dependencies (npm ci)"
+    (cd client_js && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
+    echo "$lock_hash" > client_js/node_modules/.setup-stamp
   fi
 fi
 
