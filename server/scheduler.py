@@ -436,6 +436,9 @@ class Scheduler:
         self.seconds_per_block = 0.8 * self.seconds_per_block + 0.2 * elapsed
         self._metrics.block_time.observe(elapsed)
         self._metrics.batch_size.observe(len(seq_ids))
+        memory_allocated = getattr(engine, "memory_allocated", None)  # optional engine capability
+        if callable(memory_allocated):
+            self._metrics.gpu_memory_bytes.set(memory_allocated())
         # One hand-off per stream per step keeps cross-thread calls few.
         deliveries: dict[_Stream, list[StreamEvent]] = {}
         for result in results:

@@ -452,6 +452,10 @@ class ChatTTSEngine:
         finally:
             self.drop(_WARMUP_ID)
 
+    def memory_allocated(self) -> int:
+        """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+
     def close(self) -> None:
         """Release every sequence and the model."""
         self._seqs.clear()
