@@ -24,6 +24,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from server.limits import client_identity, origin_allowed, presented_key
 from server.protocol import ProtocolError, Seed, Start, Temperature, TopK, TopP
 from server.streams import Stream
 
@@ -71,7 +72,7 @@ STATUS: Final = {
     "engine_error": 500,
     "internal": 500,
 }
-ERROR_TYPES: Final = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_TYPES: Final = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
@@ -112,7 +113,7 @@ def error_response(
     status: int, code: str, message: str, *, param: str | None = None, retry_after_ms: int | None = None
 ) -> web.Response:
     """A JSON error in OpenAI's shape; ``Retry-After`` (seconds) when retrying may help."""
-    kind = ERROR_TYPES.get(status, "server_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"Cache-Control": "no-store"}
     if retry_after_ms is not None:
@@ -131,17 +132,6 @@ class BodyError(ProtocolError):
     def __init__(self, code: str, message: str, param: str | None) -> None:
         super().__init__(code, message)
         self.param = param
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths and wrong methods answer in OpenAI's error shape too."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, "bad_request", f"{request.method} {request.path}: {exc.reason}")
 
 
 class _ClientGone(Exception):
@@ -170,7 +160,7 @@ class HttpApi:
             return
         if port < 0:
             port = self.app.port + 1 if s.port else 0
-        web_app = web.Application(client_max_size=s.max_message_bytes, middlewares=[json_errors])
+        web_app = web.Application(client_max_size=s.max_message_bytes, middlewares=[self._guard])
         web_app.router.add_post("/v1/audio/speech", self.speech)
         web_app.router.add_get("/v1/models", self.models)
         web_app.router.add_get("/v1/audio/voices", self.voices)
@@ -196,6 +186,23 @@ class HttpApi:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """API keys and origins as on the WebSocket; aiohttp's own errors in OpenAI's shape."""
+        key = presented_key(request.path_qs, request.headers)
+        if self.app.api_keys.required and not self.app.api_keys.valid(key):
+            return error_response(
+                401, "invalid_api_key", "a valid API key is required (Authorization: Bearer)"
+            )
+        if not origin_allowed(request.headers.get("Origin"), self.app.allowed_origins):
+            return error_response(403, "forbidden", "this Origin may not use the API")
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, "bad_request", f"{request.method} {request.path}: {exc.reason}")
 
     # --- discovery -----------------------------------------------------------------
 
@@ -229,6 +236,8 @@ class HttpApi:
                 )
             body, fmt = self._parse(raw)
             start = self._start_of(body, fmt)
+            key = presented_key(request.path_qs, request.headers)
+            self.service.check_rate(client_identity(key, request.remote or "?"), None)
             stream = self.service.open(
                 start, request, lambda s: self._abort(request, "too much unsent audio")
             )

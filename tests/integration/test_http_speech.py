@@ -342,3 +342,22 @@ async def test_a_busy_default_port_leaves_http_off_not_the_server(make_app: Any)
                 await explicit.start()
         finally:
             await explicit.stop()
+
+
+async def test_api_keys_and_rate_limits_apply_as_on_the_websocket(make_app: Any) -> None:
+    app = await make_app("--api-keys", "k1", "--rate-limit-per-min", "6", "--rate-limit-burst", "1")
+    status, _, answer = await post(app, {"model": "tts-1", "input": "Hello."})
+    assert_openai_error(status, answer, "invalid_api_key", None, expected_status=401)
+    async with AsyncOpenAI(base_url=base_url(app), api_key="wrong", max_retries=0) as oai:
+        with pytest.raises(openai.AuthenticationError):
+            await oai.models.list()
+    async with AsyncOpenAI(base_url=base_url(app), api_key="k1", max_retries=0) as oai:
+        speech = await oai.audio.speech.create(
+            model="tts-1", voice="alloy", input="Hello.", response_format="pcm"
+        )
+        assert len(speech.content) > 0
+        # The burst is spent: the next stream of this key waits about 10 s (6 per minute).
+        with pytest.raises(openai.RateLimitError) as limited:
+            await oai.audio.speech.create(model="tts-1", voice="alloy", input="Again.", response_format="pcm")
+    assert limited.value.code == "rate_limited"
+    assert 5 <= int(limited.value.response.headers["Retry-After"]) <= 10
