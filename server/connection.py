@@ -22,6 +22,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from server import protocol
+from server.audio import opus_preskip
 from server.incremental import TextFeed
 from server.protocol import Cancel, ClientMessage, FrameHeader, ProtocolError, Resume, Start
 from server.session import redact
@@ -155,6 +156,7 @@ class Connection:
                 "format": session.format,
                 "sample_rate": session.sample_rate,
                 "frame_ms": 20,
+                **_preskip(stream),
             }
         )
         self._start_pump(attachment, session.sent_index)
@@ -162,13 +164,20 @@ class Connection:
     async def _resume(self, msg: Resume) -> None:
         stream = self.service.registry.get(msg.stream)
         if stream is None:
-            raise ProtocolError("unknown_stream", "no stream with this token is held here")
+            raise ProtocolError("unknown_stream", "no stream with this token is held here", token=msg.stream)
         session = stream.session
         previous = session.owner
+        # Check everything before touching the stream's current attachment.
+        try:
+            session.check_resumable(msg.after_seq)
+        except ProtocolError as err:
+            err.stream_id, err.token = session.client_id, msg.stream
+            raise
+        if previous is not self:
+            self._check_room(session.client_id)
         if isinstance(previous, Connection):
             # The stream moves here; the old attachment stops getting frames.
             await previous.release(stream)
-        self._check_room(session.client_id)
         index = session.rewind_to(msg.after_seq)
         self.service.registry.attach(stream, self)
         attachment = self._attach(stream)
@@ -182,6 +191,7 @@ class Connection:
                 "after_seq": msg.after_seq,
                 "format": session.format,
                 "sample_rate": session.sample_rate,
+                **_preskip(stream),
             }
         )
         self._start_pump(attachment, index)
@@ -284,3 +294,9 @@ class Connection:
         self.app.metrics.errors.labels(code=err.code).inc()
         with contextlib.suppress(ConnectionClosed, _Aborted):
             await self._send_json(protocol.error(err))
+
+
+def _preskip(stream: Stream) -> dict[str, int]:
+    """``preskip`` for raw Opus streams: decoded samples a client drops at the start."""
+    preskip = opus_preskip(stream.encoder)
+    return {"preskip": preskip} if preskip else {}

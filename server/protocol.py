@@ -49,12 +49,14 @@ class ProtocolError(Exception):
         *,
         stream_id: str | None = None,
         retry_after_ms: int | None = None,
+        token: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.stream_id = stream_id
         self.retry_after_ms = retry_after_ms
+        self.token = token
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, frozen=True):
@@ -193,6 +195,8 @@ def error(err: ProtocolError) -> dict[str, Any]:
         message["id"] = err.stream_id
     if err.retry_after_ms is not None:
         message["retry_after_ms"] = err.retry_after_ms
+    if err.token is not None:  # resume errors name the token the client sent
+        message["stream"] = err.token
     return message
 
 

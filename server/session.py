@@ -290,6 +290,11 @@ class StreamSession:
         self.sent_index = index
         self._evict()
 
+    def check_resumable(self, after_seq: int) -> None:
+        """Raise ResumeExpired when an item after ``after_seq`` was already evicted."""
+        if after_seq < self._evicted_position:
+            raise ResumeExpired(after_seq, self._evicted_position)
+
     def rewind_to(self, after_seq: int) -> int:
         """Point the sender at the first item a client that has ``after_seq`` still needs.
 
@@ -299,8 +304,7 @@ class StreamSession:
         Raises:
             ResumeExpired: an item it needs was evicted.
         """
-        if after_seq < self._evicted_position:
-            raise ResumeExpired(after_seq, self._evicted_position)
+        self.check_resumable(after_seq)
         index = self._base
         while index < self.end_index and self._items[index - self._base].position <= after_seq:
             index += 1

@@ -107,7 +107,7 @@ async def test_unknown_stream(app: App) -> None:
     ws, _ = await open_client(app.port)
     await ws.send(json.dumps({"type": "resume", "stream": "not-a-token", "after_seq": 3}))
     err = await recv_json(ws)
-    assert err["code"] == "unknown_stream"
+    assert err["code"] == "unknown_stream" and err["stream"] == "not-a-token" and "id" not in err
     await start(ws, id="ok", text="still fine.", seed=1)
     assert (await collect(ws, {"ok"}))["ok"].done is not None
     await ws.close()
@@ -151,6 +151,7 @@ async def test_resume_expired_when_needed_frames_were_evicted(make_app: Any) -> 
     await ws2.send(json.dumps({"type": "resume", "stream": token, "after_seq": 1}))
     err = await recv_json(ws2)
     assert err["code"] == "resume_expired" and "no longer held" in err["message"]
+    assert err["id"] == "s" and err["stream"] == token
     await ws2.close()
 
 
@@ -211,4 +212,20 @@ async def test_token_carries_the_ingress_request_id(app: App) -> None:
     await start(ws, id="s", text="Routed.", seed=1)
     started = await recv_json(ws)
     assert started["stream"].startswith("abc123.") and len(started["stream"]) == len("abc123.") + 32
+    await ws.close()
+
+
+async def test_opus_started_announces_preskip_and_resume_on_the_same_connection(make_app: Any) -> None:
+    app = await make_app("--fake-step-ms", "20")
+    ws, _ = await open_client(app.port)
+    await start(ws, id="o", text=TEXT, seed=3, format="opus")
+    started = await recv_json(ws)
+    assert started["preskip"] == 156 and started["format"] == "opus"
+    # The client believes it missed frames: it resumes on the very same connection.
+    await ws.send(json.dumps({"type": "resume", "stream": started["stream"], "after_seq": -1}))
+    log = (await collect(ws, {"o"}, slots={started["slot"]: "o"}))["o"]
+    assert log.started is not None and log.started["type"] == "resumed" and log.started["preskip"] == 156
+    seqs = [f.header.seq for f in log.frames]
+    assert set(seqs) == set(range(max(seqs) + 1))  # everything, duplicates allowed before the resume
+    assert log.done is not None and log.done["last_seq"] == max(seqs)
     await ws.close()
