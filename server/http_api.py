@@ -42,37 +42,16 @@ FORMATS: Final = {
 #: OpenAI's default is ``mp3``, which this server does not produce; ``wav`` is the closest playable file.
 DEFAULT_FORMAT: Final = "wav"
 #: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres).
-OPENAI_VOICES: Final = {
-    "alloy": "default",
-    "ash": "seed:11",
-    "ballad": "seed:12",
-    "coral": "seed:13",
-    "echo": "seed:14",
-    "fable": "seed:15",
-    "nova": "seed:16",
-    "onyx": "seed:17",
-    "sage": "seed:18",
-    "shimmer": "seed:19",
-    "verse": "seed:20",
-    "marin": "seed:21",
-    "cedar": "seed:22",
-}
+_SEEDED = "ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()  # noqa: SIM905
+OPENAI_VOICES: Final = {"alloy": "default"} | {name: f"seed:{n}" for n, name in enumerate(_SEEDED, start=11)}
 #: Model names accepted (any string is; these are advertised). All are the same ChatTTS model.
 MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
 OPENAI_SPEED: Final = (0.25, 4.0)
 OUR_SPEED: Final = (0.5, 2.0)
-STATUS: Final = {
-    "bad_request": 400,
-    "text_too_long": 400,
-    "unsupported": 400,
-    "rate_limited": 429,
-    "overloaded": 429,
-    "shutting_down": 503,
-    "engine_error": 500,
-    "internal": 500,
-}
-ERROR_TYPES: Final = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+#: Our wire codes → HTTP status (the ``code`` of the error body stays ours).
+STATUS: Final = dict(bad_request=400, text_too_long=400, unsupported=400, rate_limited=429, overloaded=429)
+STATUS.update(shutting_down=503, engine_error=500, internal=500)
 
 
 class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
@@ -113,7 +92,9 @@ def error_response(
     status: int, code: str, message: str, *, param: str | None = None, retry_after_ms: int | None = None
 ) -> web.Response:
     """A JSON error in OpenAI's shape; ``Retry-After`` (seconds) when retrying may help."""
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    kind = (
+        "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    )
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"Cache-Control": "no-store"}
     if retry_after_ms is not None:
