@@ -245,14 +245,7 @@ class Connection:
         session = stream.session
         metrics = self.app.metrics
         try:
-            while True:
-                item = session.item(index)
-                if item is None:
-                    if session.ended:
-                        break
-                    session.changed.clear()
-                    await session.changed.wait()
-                    continue
+            while (item := await session.wait_item(index)) is not None:
                 if item.is_frame:
                     header = FrameHeader(
                         flags=item.flags, slot=attachment.slot, seq=item.position, sample=item.sample

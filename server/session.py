@@ -283,6 +283,15 @@ class StreamSession:
             raise LookupError(f"item {index} was evicted")
         return self._items[offset] if offset < len(self._items) else None
 
+    async def wait_item(self, index: int) -> OutItem | None:
+        """The item at absolute ``index``, waiting until it exists; None when the stream ended first."""
+        while True:
+            item = self.item(index)
+            if item is not None or self.ended:
+                return item
+            self.changed.clear()
+            await self.changed.wait()
+
     def mark_sent(self, index: int) -> None:
         """Everything before absolute ``index`` is on the socket."""
         for i in range(self.sent_index, index):
