@@ -286,14 +286,7 @@ class HttpApi:
         response = web.StreamResponse(headers={"Content-Type": FORMATS[fmt][2], "Cache-Control": "no-store"})
         response.enable_chunked_encoding()
         index = session.sent_index
-        while True:
-            item = session.item(index)
-            if item is None:
-                if session.ended:
-                    break
-                session.changed.clear()
-                await session.changed.wait()
-                continue
+        while (item := await session.wait_item(index)) is not None:
             chunk = bytearray()
             error: dict[str, Any] | None = None
             while item is not None:
