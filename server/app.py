@@ -28,7 +28,7 @@ from server.config import Settings
 from server.connection import Connection
 from server.engine.base import Engine
 from server.http_api import HttpApi
-from server.limits import ApiKeys, client_identity, origin_allowed, presented_key
+from server.limits import ApiKeys, client_identity, client_ip, origin_allowed, presented_key
 from server.metrics import Metrics
 from server.scheduler import Scheduler, SchedulerConfig
 from server.service import SpeechService
@@ -228,7 +228,9 @@ class App:
             await ws.close(1008, "origin not allowed")
             return
         limiter = self.service.limiter
-        client = client_identity(key, str(ws.remote_address[0]) if ws.remote_address else "?")
+        peer = str(ws.remote_address[0]) if ws.remote_address else "?"
+        ip = client_ip(peer, request.headers, trust_forwarded_for=self.settings.trust_forwarded_for)
+        client = client_identity(key, ip)
         if not limiter.open_connection(client):
             self.metrics.errors.labels(code="too_many_connections").inc()
             await ws.close(1013, "too many connections from this client")

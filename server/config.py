@@ -76,6 +76,9 @@ class Settings:
     )
     api_keys: str = _opt("", "comma-separated API keys; when set, every connection must present one")
     api_keys_file: str = _opt("", "file with one API key per line (added to --api-keys)")
+    trust_forwarded_for: bool = _opt(
+        False, "take client IPs from X-Forwarded-For (only behind a proxy that sets it)"
+    )
     allowed_origins: str = _opt("", "comma-separated Origin values browsers may connect from (empty: any)")
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")

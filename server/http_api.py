@@ -24,7 +24,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from server.limits import client_identity, origin_allowed, presented_key
+from server.limits import client_identity, client_ip, origin_allowed, presented_key
 from server.protocol import ProtocolError, Seed, Start, Temperature, TopK, TopP
 from server.streams import Stream
 
@@ -218,7 +218,10 @@ class HttpApi:
             body, fmt = self._parse(raw)
             start = self._start_of(body, fmt)
             key = presented_key(request.path_qs, request.headers)
-            self.service.check_rate(client_identity(key, request.remote or "?"), None)
+            ip = client_ip(
+                request.remote or "?", request.headers, trust_forwarded_for=self.settings.trust_forwarded_for
+            )
+            self.service.check_rate(client_identity(key, ip), None)
             stream = self.service.open(
                 start, request, lambda s: self._abort(request, "too much unsent audio")
             )

@@ -123,6 +123,19 @@ def origin_allowed(origin: str | None, allowed: frozenset[str]) -> bool:
     return not allowed or origin is None or origin in allowed
 
 
+def client_ip(peer: str, headers: Mapping[str, str], *, trust_forwarded_for: bool) -> str:
+    """The client's IP: the first ``X-Forwarded-For`` hop behind a trusted proxy, else the peer.
+
+    Only trust the header when every request comes through a proxy that sets it
+    (an ingress); otherwise any client could pick its own rate-limit identity.
+    """
+    if trust_forwarded_for:
+        first = headers.get("X-Forwarded-For", "").split(",")[0].strip()
+        if first:
+            return first
+    return peer
+
+
 def client_identity(key: str | None, ip: str) -> str:
     """The rate-limit identity: a digest of the API key (never the key itself), else the IP."""
     if key:

@@ -106,3 +106,15 @@ async def test_unseeded_requests_are_not_cached(app: Any) -> None:
         await collect(ws, {sid})
     assert "chattts_cache_hits_total 0.0" in app.metrics.render().decode()
     await ws.close()
+
+
+async def test_rate_limit_per_forwarded_client_behind_a_proxy(make_app: Any) -> None:
+    app = await make_app("--rate-limit-per-min", "1", "--rate-limit-burst", "1", "--trust-forwarded-for")
+    for ip in ("198.51.100.1", "198.51.100.2"):  # two clients behind the same proxy
+        ws, _ = await open_client(app.port, additional_headers={"X-Forwarded-For": ip})
+        await start(ws, id="a", text="First is free.", seed=1)
+        await start(ws, id="b", text="Second is limited.", seed=2)
+        logs = await collect(ws, {"a", "b"})
+        assert logs["a"].done is not None and not logs["a"].errors
+        assert [e["code"] for e in logs["b"].errors] == ["rate_limited"]
+        await ws.close()

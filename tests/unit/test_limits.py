@@ -50,3 +50,12 @@ def test_origins() -> None:
     assert not origin_allowed("https://evil.example", allowed)
     assert origin_allowed(None, allowed)  # not a browser
     assert origin_allowed("https://any.example", frozenset())
+
+
+def test_client_ip_trusts_forwarded_for_only_when_told() -> None:
+    from server.limits import client_ip
+
+    headers = {"X-Forwarded-For": "203.0.113.9, 10.0.0.2"}
+    assert client_ip("10.0.0.2", headers, trust_forwarded_for=True) == "203.0.113.9"
+    assert client_ip("10.0.0.2", headers, trust_forwarded_for=False) == "10.0.0.2"
+    assert client_ip("10.0.0.2", {}, trust_forwarded_for=True) == "10.0.0.2"
