@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +37,43 @@ def network_refused() -> Iterator[None]:
         mp.undo()
 
 
+_real_connect = socket.socket.connect
+_real_getaddrinfo = socket.getaddrinfo
+
+
+def _loopback_connect(sock: socket.socket, address: Any) -> Any:
+    host = address[0] if isinstance(address, tuple) else None
+    if host is None or not ipaddress.ip_address(host).is_loopback:
+        raise NetworkUsed(f"network use attempted: {address!r}")
+    return _real_connect(sock, address)
+
+
+def _loopback_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+    if host not in ("127.0.0.1", "::1", "localhost", None):
+        raise NetworkUsed(f"DNS lookup attempted: {host!r}")
+    return _real_getaddrinfo(host, *args, **kwargs)
+
+
+@contextmanager
+def loopback_only() -> Iterator[None]:
+    """Like :func:`network_refused`, but loopback connections (our own server) pass."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setattr(socket.socket, "connect", _loopback_connect)
+    mp.setattr(socket, "getaddrinfo", _loopback_getaddrinfo)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(autouse=True)
-def _no_network_in_model_tests() -> Iterator[None]:
+def _no_network_in_model_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Engine tests get no network at all; tests marked ``loopback`` may talk to their own server."""
+    if request.node.get_closest_marker("loopback") is not None:
+        with loopback_only():
+            yield
+        return
     with network_refused():
         yield
 

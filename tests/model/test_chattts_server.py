@@ -5,13 +5,10 @@ Only loopback traffic is allowed here: the server must never reach for the hub.
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import json
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,31 +18,7 @@ from tests.integration.test_resume import broken_run, unbroken
 from tests.wsclient import collect, open_client, start
 
 TEXT = "第一句话在这里。The second sentence is here. 第三句话结束了。"
-_real_connect = socket.socket.connect
-_real_getaddrinfo = socket.getaddrinfo
-
-
-def _loopback_only_connect(sock: socket.socket, address: Any) -> Any:
-    host = address[0] if isinstance(address, tuple) else None
-    if host is None or not ipaddress.ip_address(host).is_loopback:
-        raise AssertionError(f"network use attempted: {address!r}")
-    return _real_connect(sock, address)
-
-
-def _loopback_only_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
-    if host not in ("127.0.0.1", "::1", "localhost", None):
-        raise AssertionError(f"DNS lookup attempted: {host!r}")
-    return _real_getaddrinfo(host, *args, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def _no_network_in_model_tests() -> Iterator[None]:  # overrides the package's stricter guard
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setattr(socket.socket, "connect", _loopback_only_connect)
-    mp.setattr(socket, "getaddrinfo", _loopback_only_getaddrinfo)
-    yield
-    mp.undo()
+pytestmark = pytest.mark.loopback  # our own server on 127.0.0.1, nothing else
 
 
 @pytest.fixture

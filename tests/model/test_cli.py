@@ -1,0 +1,78 @@
+"""The ``chattts-stream`` command as a user runs it: offline failure, and the dev-model flag."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_drain import free_port, http_status, wait_ready
+
+pytestmark = pytest.mark.loopback  # the server subprocess on 127.0.0.1
+
+
+async def test_serve_without_weights_offline_fails_fast_with_one_actionable_line(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HOME": str(tmp_path),
+        "CHATTTS_CACHE_DIR": str(tmp_path / "c"),
+    }
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--engine",
+        "chattts",
+        "--port",
+        str(free_port()),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        _, stderr = await proc.communicate()
+    assert proc.returncode == 2
+    assert time.monotonic() - started < 30  # no download retries
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("chattts-stream: ") and "--model-dir" in last
+    assert "Traceback" not in stderr.decode()
+
+
+async def test_dev_model_flag_serves_random_weights_loudly_and_drains(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTTS_CACHE_DIR": str(tmp_path)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--dev-model",
+        "tiny",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await wait_ready(port, proc)
+        assert await asyncio.to_thread(http_status, port, "/ready") == 200
+        assert (tmp_path / "dev-tiny" / "DEV_MODEL.json").is_file()
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            _, stderr = await proc.communicate()
+        assert proc.returncode == 0
+        assert "RANDOM WEIGHTS" in stderr.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
