@@ -245,7 +245,7 @@ class App:
             self.connections.discard(conn)
             self.metrics.connections.set(len(self.connections))
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
         if path == STREAM_PATH:
             if self.draining:
@@ -268,9 +268,12 @@ class App:
         if path == "/metrics":
             return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
         if path in ("/", "/index.html"):
-            return _static(DEMO_DIR / "demo" / "index.html", "text/html; charset=utf-8")
+            # File reads go to a thread: the event loop never waits for a disk.
+            return await asyncio.to_thread(
+                _static, DEMO_DIR / "demo" / "index.html", "text/html; charset=utf-8"
+            )
         if path.startswith("/client_js/"):
-            return _static_under(DEMO_DIR, path.removeprefix("/client_js/"))
+            return await asyncio.to_thread(_static_under, DEMO_DIR, path.removeprefix("/client_js/"))
         return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
 
 
