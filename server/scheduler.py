@@ -26,11 +26,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from server.engine.base import (
-    AudioArray,
     Engine,
     EngineOutOfMemory,
     SequenceRequest,
@@ -39,38 +37,14 @@ from server.engine.base import (
 )
 from server.metrics import Metrics
 from server.protocol import ProtocolError
+from server.stream_order import (
+    EventSink,
+    StreamEnded,
+    StreamEvent,
+    StreamOrder,
+)
 
 log = logging.getLogger(__name__)
-
-
-# --- events delivered to the event loop -------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentStarted:
-    """Segment ``index`` (text ``text``) starts with the next audio."""
-
-    index: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class AudioChunk:
-    """New native-rate samples of the stream, in order."""
-
-    audio: AudioArray
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEnded:
-    """No more events follow. ``error`` is set when ``reason`` is ``error``."""
-
-    reason: Literal["complete", "cancelled", "error"]
-    error: ProtocolError | None = None
-
-
-StreamEvent = SegmentStarted | AudioChunk | StreamEnded
-EventSink = Callable[[list[StreamEvent]], None]
 
 
 class Overloaded(ProtocolError):
@@ -102,26 +76,8 @@ class SchedulerConfig:
 
 
 @dataclass(eq=False)
-class _Stream:
-    """One stream as the loop thread sees it."""
-
-    stream_id: int
-    params: SynthesisParams
-    sink: EventSink
-    segments: list[str] = field(default_factory=list)
-    input_closed: bool = True
-    next_to_queue: int = 0  # index of the next segment to queue
-    emit_index: int = 0  # segment whose audio goes out now
-    announced: int = -1  # highest segment index whose SegmentStarted was sent
-    held: dict[int, list[AudioArray]] = field(default_factory=dict)
-    finished_segments: set[int] = field(default_factory=set)
-    live_seqs: dict[int, int] = field(default_factory=dict)  # seq_id -> segment index
-    ended: bool = False
-
-
-@dataclass(eq=False)
 class _Waiting:
-    stream: _Stream
+    stream: StreamOrder
     segment: int
     submitted: float
 
@@ -175,9 +131,9 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         # Loop-thread state.
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, StreamOrder] = {}
         self._waiting: list[tuple[int, int, _Waiting]] = []  # heap of (priority, order, entry)
-        self._running: dict[int, _Stream] = {}  # seq_id -> stream, in admission order
+        self._running: dict[int, StreamOrder] = {}  # seq_id -> stream, in admission order
         self._batch_limit = config.max_batch
         self._ok_steps_since_oom = 0
         self._consecutive_failures = 0
@@ -257,7 +213,7 @@ class Scheduler:
             raise Overloaded(int(self.config.breaker_probe_interval_s * 1000))
         if self.queued >= self.config.max_queue:
             raise Overloaded(self.retry_after_ms())
-        stream = _Stream(
+        stream = StreamOrder(
             stream_id=next(self._ids),
             params=params,
             sink=sink,
@@ -393,31 +349,15 @@ class Scheduler:
         self._waiting_count = len(self._waiting)
         self._metrics.queue_depth.set(self.queued)
 
-    def _queue_lookahead(self, stream: _Stream) -> None:
-        """Queue the stream's next segments while fewer than 1 + lookahead are unfinished.
-
-        Segments that finished ahead of their turn (held audio) do not count, so a
-        short segment never stalls the pipeline; the held ones are capped too, which
-        bounds the audio a stream can hold back.
-        """
-        width = 1 + self.config.lookahead
-        held = len(stream.finished_segments)
-        unfinished = stream.next_to_queue - stream.emit_index - held
-        while (
-            not stream.ended
-            and stream.next_to_queue < len(stream.segments)
-            and unfinished < width
-            and held <= width
-        ):
-            index = stream.next_to_queue
-            stream.next_to_queue += 1
-            unfinished += 1
+    def _queue_lookahead(self, stream: StreamOrder) -> None:
+        """Queue the stream's next segments as its look-ahead allows."""
+        for index in stream.segments_to_queue(self.config.lookahead):
             # Priority 0 for the segment a listener is waiting for, 1 for look-ahead.
             priority = 0 if index == stream.emit_index else 1
             entry = _Waiting(stream, index, time.monotonic())
             heapq.heappush(self._waiting, (priority, next(self._order), entry))
         self._count_waiting()
-        self._maybe_complete(stream)
+        stream.maybe_complete()
 
     def _step(self, seq_ids: list[int]) -> None:
         engine = self.engine
@@ -440,13 +380,13 @@ class Scheduler:
         if callable(memory_allocated):
             self._metrics.gpu_memory_bytes.set(memory_allocated())
         # One hand-off per stream per step keeps cross-thread calls few.
-        deliveries: dict[_Stream, list[StreamEvent]] = {}
+        deliveries: dict[StreamOrder, list[StreamEvent]] = {}
         for result in results:
             self._route(result, deliveries)
         for stream, events in deliveries.items():
             self._deliver(stream.sink, events)
 
-    def _route(self, result: StepResult, deliveries: dict[_Stream, list[StreamEvent]]) -> None:
+    def _route(self, result: StepResult, deliveries: dict[StreamOrder, list[StreamEvent]]) -> None:
         stream = self._running.get(result.seq_id)
         if stream is None:
             return
@@ -459,48 +399,16 @@ class Scheduler:
         if stream.ended:
             return
         events = deliveries.setdefault(stream, [])
-        if segment == stream.emit_index:
-            self._announce(stream, events)
-            if len(result.audio):
-                events.append(AudioChunk(result.audio))
-        elif len(result.audio):
-            stream.held.setdefault(segment, []).append(result.audio)
+        stream.on_audio(segment, result.audio, result.finished, events)
         if result.finished:
-            stream.finished_segments.add(segment)
-            self._advance_emit(stream, events)
             self._queue_lookahead(stream)
-            if self._maybe_complete(stream):
+            if stream.maybe_complete():
                 events.append(StreamEnded("complete"))
                 self._forget(stream)
 
-    def _announce(self, stream: _Stream, events: list[StreamEvent]) -> None:
-        if stream.announced < stream.emit_index:
-            stream.announced = stream.emit_index
-            events.append(SegmentStarted(stream.emit_index, stream.segments[stream.emit_index]))
-
-    def _advance_emit(self, stream: _Stream, events: list[StreamEvent]) -> None:
-        """Move past finished segments, releasing held audio of the next ones in order."""
-        while stream.emit_index in stream.finished_segments:
-            stream.finished_segments.discard(stream.emit_index)
-            stream.emit_index += 1
-            if stream.emit_index >= stream.next_to_queue:
-                break
-            self._announce(stream, events)
-            events.extend(AudioChunk(chunk) for chunk in stream.held.pop(stream.emit_index, []))
-
-    def _maybe_complete(self, stream: _Stream) -> bool:
-        """Mark the stream ended once its input is closed and every segment was emitted.
-
-        Returns:
-            Whether the stream has ended (for whatever reason).
-        """
-        if stream.input_closed and stream.emit_index >= len(stream.segments):
-            stream.ended = True
-        return stream.ended
-
     # --- commands (run on the loop thread) ------------------------------------
 
-    def _on_submit(self, stream: _Stream) -> None:
+    def _on_submit(self, stream: StreamOrder) -> None:
         self._streams[stream.stream_id] = stream
         with self._cond:
             self._pending_submits -= 1
@@ -521,7 +429,7 @@ class Scheduler:
         if stream is None or stream.ended:
             return
         stream.input_closed = True
-        if self._maybe_complete(stream):
+        if stream.maybe_complete():
             self._deliver(stream.sink, [StreamEnded("complete")])
             self._forget(stream)
 
@@ -589,7 +497,7 @@ class Scheduler:
         self._metrics.breaker_open.set(0)
         return True
 
-    def _fail_stream(self, stream: _Stream, message: str) -> None:
+    def _fail_stream(self, stream: StreamOrder, message: str) -> None:
         if stream.ended:
             return
         stream.ended = True
@@ -597,7 +505,7 @@ class Scheduler:
         self._deliver(stream.sink, [StreamEnded("error", error)])
         self._forget(stream)
 
-    def _forget(self, stream: _Stream) -> None:
+    def _forget(self, stream: StreamOrder) -> None:
         """Drop every engine sequence of an ended stream and its bookkeeping."""
         stream.ended = True
         for seq_id in list(stream.live_seqs):

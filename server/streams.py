@@ -21,8 +21,9 @@ from concurrent.futures import Executor
 from server.audio import CPU_HEAVY_FORMATS
 from server.audio.base import EncodedFrame, FrameEncoder
 from server.incremental import TextFeed
-from server.scheduler import AudioChunk, ScheduledStream, SegmentStarted, StreamEnded, StreamEvent
+from server.scheduler import ScheduledStream
 from server.session import BufferOverflow, StreamSession, redact
+from server.stream_order import AudioChunk, SegmentStarted, StreamEnded, StreamEvent
 
 log = logging.getLogger(__name__)
 

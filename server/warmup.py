@@ -13,7 +13,8 @@ import logging
 import time
 
 from server.engine.base import SynthesisParams
-from server.scheduler import Scheduler, StreamEnded, StreamEvent
+from server.scheduler import Scheduler
+from server.stream_order import StreamEnded, StreamEvent
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,8 @@ from server.engine.base import SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from server.metrics import Metrics
 from server.protocol import ProtocolError
-from server.scheduler import (
-    AudioChunk,
-    Overloaded,
-    Scheduler,
-    SchedulerConfig,
-    SegmentStarted,
-    StreamEnded,
-    StreamEvent,
-)
+from server.scheduler import Overloaded, Scheduler, SchedulerConfig
+from server.stream_order import AudioChunk, SegmentStarted, StreamEnded, StreamEvent
 
 
 @dataclass
