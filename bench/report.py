@@ -12,7 +12,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def _find(
     results: dict[str, Any], system: str, concurrency: int, fmt: str | None = None
 ) -> dict[str, Any] | None:
-    for s in results["scenarios"]:
+    scenarios: list[dict[str, Any]] = results["scenarios"]
+    for s in scenarios:
         same = s["system"] == system and s["mode"] == "closed" and s["concurrency"] == concurrency
         if same and (fmt is None or s["format"] == fmt):
             return s

@@ -90,3 +90,19 @@ def test_smoke_writes_complete_sane_results(tmp_path: Path) -> None:
             assert stream["listener"][0]["start_s"] >= stream["ttfa_s"]
     ratios = results["issue4"]
     assert ratios["server_audio_s_per_wall_s"] > 0 and ratios["vs_single"] > 0
+
+
+def test_listener_jitter_buffer_counts_underruns_and_stall() -> None:
+    from bench.listener import simulate
+
+    # 20 ms frames arriving exactly in real time after 1 s: starts at the threshold, never stalls.
+    steady = [(1.0 + 0.02 * i, 0.02) for i in range(50)]
+    result = simulate(steady, 0.1)
+    assert result.start_s == 1.08 and result.underruns == 0 and result.stall_s == 0.0
+    # Bursts of 0.3 s of audio every 0.5 s: dry 0.2 s before each of the 4 later bursts.
+    bursts = [(0.5 * k + 0.001 * i, 0.02) for k in range(1, 6) for i in range(15)]
+    result = simulate(bursts, 0.1)
+    assert result.underruns == 4 and abs(result.stall_s - 0.8) < 1e-9
+    # A bigger buffer stalls less often; an empty end marker after the audio is no underrun.
+    assert simulate(bursts, 0.5).underruns == 1
+    assert simulate([(0.0, 0.1), (5.0, 0.0)], 0.05).underruns == 0
