@@ -80,6 +80,9 @@ class Settings:
         False, "take client IPs from X-Forwarded-For (only behind a proxy that sets it)"
     )
     allowed_origins: str = _opt("", "comma-separated Origin values browsers may connect from (empty: any)")
+    opus_bitrate: int = _opt(32_000, "Opus bitrate in bit/s (opus and ogg formats)")
+    opus_complexity: int = _opt(5, "Opus encoder complexity 0-10 (5: ~0.002 CPU-s per audio-s here)")
+    ogg_page_ms: int = _opt(100, "ogg format: audio per Ogg page (a page is flushed at least this often)")
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")

@@ -131,7 +131,14 @@ class SpeechService:
                 stream_id=msg.id,
             )
         try:
-            encoder = make_encoder(msg.format, msg.sample_rate)
+            s = self.settings
+            encoder = make_encoder(
+                msg.format,
+                msg.sample_rate,
+                opus_bitrate=s.opus_bitrate,
+                opus_complexity=s.opus_complexity,
+                ogg_page_ms=s.ogg_page_ms,
+            )
         except (UnsupportedAudio, ValueError) as exc:
             raise ProtocolError("unsupported", str(exc), stream_id=msg.id) from None
         if not self.scheduler.validate_voice(msg.voice):

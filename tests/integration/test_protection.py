@@ -118,3 +118,14 @@ async def test_rate_limit_per_forwarded_client_behind_a_proxy(make_app: Any) -> 
         assert logs["a"].done is not None and not logs["a"].errors
         assert [e["code"] for e in logs["b"].errors] == ["rate_limited"]
         await ws.close()
+
+
+async def test_opus_bitrate_is_configurable(make_app: Any) -> None:
+    sizes = []
+    for bitrate in ("16000", "64000"):
+        app = await make_app("--opus-bitrate", bitrate, "--cache-bytes", "0")
+        ws, _ = await open_client(app.port)
+        await start(ws, id="o", text="The same sentence at two bitrates.", seed=1, format="opus")
+        sizes.append(len((await collect(ws, {"o"}))["o"].payload))
+        await ws.close()
+    assert sizes[1] > 2 * sizes[0]
