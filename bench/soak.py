@@ -82,7 +82,7 @@ KIND_WEIGHTS: dict[str, float] = {
     "bad": 0.16,
 }
 #: Text sizes and their weights; ``xlong`` is built up to the server's ``max_text_chars``.
-SIZE_WEIGHTS: dict[str, float] = {"short": 0.5, "medium": 0.3, "long": 0.17, "xlong": 0.03}
+SIZE_WEIGHTS: dict[str, float] = {"short": 0.55, "medium": 0.3, "long": 0.12, "xlong": 0.03}
 #: Bad inputs: sub-kind → the error code the server must answer.
 BAD_INPUTS: dict[str, str] = {
     "malformed_json": "bad_request",
@@ -455,6 +455,15 @@ class Soak:
             self.outcomes.append(outcome)
             self.finished += 1
             self.finish_times.append(self.clock())
+            total = self.args.requests
+            if self.finished % max(1, total // 10) == 0 or self.finished == total:
+                problems = sum(1 for o in self.outcomes if o.problem)
+                print(
+                    f"bench.soak: {self.finished}/{total} requests at {self.clock():.0f} s, "
+                    f"{problems} with a problem",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     async def run_one(self, plan: Plan) -> Outcome:
         """One request, never raising: failures become ``outcome.problem``."""
@@ -756,6 +765,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dev-model", default="", choices=("", "tiny", "full"), help="serve a random-weight model"
     )
     p.add_argument("--resume-ttl-s", type=float, default=2.0, help="the server's --resume-ttl-s")
+    p.add_argument(
+        "--cache-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="the server's --cache-bytes: small, so the bounded response cache is full (and evicting) "
+        "early in the warm-up instead of filling for most of the run",
+    )
     p.add_argument("--server-flags", default="", help="further serve flags (shell-quoted)")
     p.add_argument("--seed", type=int, default=9, help="seeds the request mix")
     p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS, help="text set (.jsonl with text/lang/size)")
@@ -785,7 +801,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def server_flags(args: argparse.Namespace) -> list[str]:
     """``serve`` flags of the server under test."""
     flags = ["--engine", args.engine, "--resume-ttl-s", str(args.resume_ttl_s), "--http-port", "0"]
-    flags += ["--log-level", "warning"]
+    flags += ["--cache-bytes", str(args.cache_bytes), "--log-level", "warning"]
     if args.model_dir:
         flags += ["--model-dir", args.model_dir]
     if args.dev_model:
@@ -914,6 +930,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "window_s": args.window_s,
             "sample_interval_s": args.sample_interval_s,
             "resume_ttl_s": args.resume_ttl_s,
+            "cache_bytes": args.cache_bytes,
             "free_margin_s": args.free_margin_s,
             "kind_weights": KIND_WEIGHTS,
             "size_weights": SIZE_WEIGHTS,
