@@ -59,6 +59,7 @@ def test_soak_smoke_accounts_for_every_stream(tmp_path: Path) -> None:
     # Exit 1 is allowed: a few seconds of load cannot show flat RSS; the other checks are asserted below.
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     assert elapsed < 20, f"soak smoke took {elapsed:.1f} s"
+    assert out.exists(), proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| streams started / done" in out.with_suffix(".md").read_text()
