@@ -48,6 +48,7 @@ from server.engine.chattts_batch import (
 )
 from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
 from server.engine.chattts_voice import VoiceBank, speed_token
+from server.normalize import speakable
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
@@ -237,7 +238,7 @@ class ChatTTSEngine:
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
         """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt)."""
         decorated: list[str] = self._chat.speaker.decorate_code_prompts(
-            [text], speed_token(params.speed), None, "spk"
+            [speakable(text)], speed_token(params.speed), None, "spk"
         )
         return decorated[0]
 
