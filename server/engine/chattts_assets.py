@@ -116,7 +116,7 @@ def _offline_message(cache_dir: Path, reason: str) -> str:
         f"hub "
         f"({HF_REPO_ID}): {reason}. Fix: connect this machine to the internet once (the weights are cached), "
         f"or copy the {HF_REPO_ID} files to a folder and pass --model-dir DIR (DIR/asset/...), "
-        f"or run `chattts-stream make-dev-model --size tiny DIR` for random test weights."
+        "or serve random test weights with `--dev-model tiny` (noise, not speech)."
     )
 
 

@@ -52,7 +52,7 @@ def test_folder_without_assets_is_actionable(tmp_path: Path) -> None:
 def _assert_actionable(exc: ModelUnavailableError) -> None:
     text = str(exc)
     assert "\n" not in text
-    assert "--model-dir" in text and "make-dev-model" in text and "2Noise/ChatTTS" in text
+    assert "--model-dir" in text and "--dev-model" in text and "2Noise/ChatTTS" in text
 
 
 def test_offline_env_fails_fast(tmp_path: Path) -> None:
