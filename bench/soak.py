@@ -512,16 +512,23 @@ class Soak:
     async def _repeat(self, plan: Plan, out: Outcome) -> None:
         await self._complete(plan, out)
 
+    async def _start_until_cut(self, conn: Conn, sid: str, plan: Plan, out: Outcome) -> StreamState | None:
+        """Start a stream and receive until its first cut point or its end; None if refused."""
+        state = StreamState(sid)
+        await conn.start(state, plan.text.text, plan.fmt, plan.seed)
+        await conn.until(
+            lambda: refused(state) or state.done is not None or state.frames_here >= plan.cut_after[0]
+        )
+        if refused(state):
+            out.fail(f"start refused: {state.errors}")
+            return None
+        return state
+
     async def _cancel(self, plan: Plan, out: Outcome) -> None:
         conn = await Conn.open(self.url, out)
         try:
-            state = StreamState("c")
-            await conn.start(state, plan.text.text, plan.fmt, plan.seed)
-            await conn.until(
-                lambda: refused(state) or state.done is not None or state.frames_here >= plan.cut_after[0]
-            )
-            if refused(state):
-                out.fail(f"start refused: {state.errors}")
+            state = await self._start_until_cut(conn, "c", plan, out)
+            if state is None:
                 return
             if state.done is not None:
                 out.outcome = "complete_before_cancel"
@@ -547,13 +554,8 @@ class Soak:
     async def _abandon(self, plan: Plan, out: Outcome) -> None:
         conn = await Conn.open(self.url, out)
         try:
-            state = StreamState("a")
-            await conn.start(state, plan.text.text, plan.fmt, plan.seed)
-            await conn.until(
-                lambda: refused(state) or state.done is not None or state.frames_here >= plan.cut_after[0]
-            )
-            if refused(state):
-                out.fail(f"start refused: {state.errors}")
+            state = await self._start_until_cut(conn, "a", plan, out)
+            if state is None:
                 return
             if state.done is not None:
                 out.outcome = "complete_before_cut"
