@@ -136,10 +136,7 @@ class Connection:
             )
 
     async def _start(self, msg: Start) -> None:
-        if self.service.draining:
-            raise ProtocolError(
-                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=msg.id
-            )
+        self.service.check_accepting(msg.id)  # before the rate limiter takes a token
         self.service.check_rate(self.client, msg.id)
         self._check_room(msg.id)
         request = self.ws.request

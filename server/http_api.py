@@ -206,8 +206,7 @@ class HttpApi:
         """``POST /v1/audio/speech``: validate, open a stream, send its audio as it comes."""
         metrics = self.app.metrics
         try:
-            if self.service.draining:
-                raise ProtocolError("shutting_down", "the server is draining; retry on another replica")
+            self.service.check_accepting(None)
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:

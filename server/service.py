@@ -59,6 +59,13 @@ class SpeechService:
         s = self.settings
         return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
 
+    def check_accepting(self, stream_id: str | None) -> None:
+        """Raise ``shutting_down`` while the server drains."""
+        if self.draining:
+            raise ProtocolError(
+                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=stream_id
+            )
+
     def check_rate(self, client: str, stream_id: str | None) -> None:
         """Raise ``rate_limited`` (with ``retry_after_ms``) when ``client`` starts too often."""
         wait_ms = self.limiter.retry_after_ms(client)
@@ -79,10 +86,7 @@ class SpeechService:
             ProtocolError: with the wire code (``shutting_down``, ``text_too_long``,
                 ``unsupported``, ``bad_request``, ``overloaded``).
         """
-        if self.draining:
-            raise ProtocolError(
-                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=msg.id
-            )
+        self.check_accepting(msg.id)
         encoder = self._encoder_for(msg)
         segments, feed = self._plan_text(msg)
         s = self.settings
