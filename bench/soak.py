@@ -235,6 +235,13 @@ class Outcome:
         if self.problem is None:
             self.problem = problem
 
+    def settle(self, problem: str | None, outcome: str) -> None:
+        """Record ``problem`` if there is one, else the request's ``outcome``."""
+        if problem:
+            self.fail(problem)
+        else:
+            self.outcome = outcome
+
     def compact(self) -> dict[str, Any]:
         """The per-request record in the JSON file."""
         record = asdict(self)
@@ -501,11 +508,7 @@ class Soak:
         conn = await Conn.open(self.url, out)
         try:
             state = await self._run_to_done(conn, plan, out, "s")
-            problem = state.check(("complete",))
-            if problem:
-                out.fail(problem)
-            else:
-                out.outcome = "complete"
+            out.settle(state.check(("complete",)), "complete")
         finally:
             await conn.close()
 
@@ -637,10 +640,7 @@ class Soak:
                     return
                 out.resumes += 1
             problem = state.check(("complete",))
-            if problem:
-                out.fail(problem)
-            else:
-                out.outcome = "resumed_complete" if out.resumes else "complete_before_cut"
+            out.settle(problem, "resumed_complete" if out.resumes else "complete_before_cut")
         finally:
             await conn.close()
 
@@ -662,11 +662,7 @@ class Soak:
             async with asyncio.TaskGroup() as group:
                 group.create_task(write(), name="incremental-writer")
                 group.create_task(conn.until(lambda: state.done is not None or bool(state.errors)))
-            problem = state.check(("complete",))
-            if problem:
-                out.fail(problem)
-            else:
-                out.outcome = "complete"
+            out.settle(state.check(("complete",)), "complete")
         finally:
             await conn.close()
 
