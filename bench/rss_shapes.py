@@ -5,7 +5,7 @@ sockets and scheduler: it steps ``ChatTTSEngine`` directly over random batch siz
 lengths and token limits (new tensor shapes), and prints RSS every 50 batches. A per-shape
 cache (oneDNN primitives, allocator pools) levels off; a leak keeps growing.
 
-    python -m bench.rss_shapes --model-dir DIR --batches 400
+    python -m bench.rss_shapes --model-dir DIR --batches 400 [--prefill-bucket 1]
 """
 
 from __future__ import annotations
@@ -28,8 +28,16 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--prefill-bucket", type=int, default=16, help="the engine's prefill_bucket (1: off)")
     args = parser.parse_args()
-    engine = ChatTTSEngine.load(model_dir=args.model_dir, device="cpu", dtype="auto")
+    engine = ChatTTSEngine.load(
+        model_dir=args.model_dir,
+        device="cpu",
+        dtype="auto",
+        num_threads=args.threads,
+        prefill_bucket=args.prefill_bucket,
+    )
     engine.warmup()
     rng = random.Random(0)
     process = psutil.Process()

@@ -47,6 +47,9 @@ class Settings:
     block_schedule: str = _opt(
         "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"
     )
+    prefill_bucket: int = _opt(
+        16, "pad prompts up to a multiple of this many tokens: few kernel shapes, flat memory (1: off)"
+    )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     max_buffer_delay_ms: float = _opt(

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.cache_utils import Cache
 
 from server.engine.base import (
     EngineError,
@@ -39,6 +40,7 @@ from server.engine.base import (
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
 from server.engine.chattts_batch import (
     PENALTY_WINDOW,
+    GrowLayer,
     RowGroup,
     RowSampling,
     concat_groups,
@@ -111,9 +113,13 @@ class ChatTTSEngine:
         crossfade_samples: int = 256,
         min_tokens: int = 1,
         repetition_penalty: float = 1.05,
+        prefill_bucket: int = 16,
+        warmup_prompt_chars: int = 120,
     ) -> None:
         if not block_schedule or min(block_schedule) < 1:
             raise ValueError("block_schedule needs at least one positive block size")
+        if prefill_bucket < 1:
+            raise ValueError("prefill_bucket must be at least 1 (1: no padding)")
         chat = loaded.chat
         self._loaded = loaded
         self._chat = chat
@@ -122,6 +128,8 @@ class ChatTTSEngine:
         self.block_schedule = tuple(int(b) for b in block_schedule)
         self.min_tokens = max(1, min_tokens)  # ChatTTS also never returns an empty sequence
         self.repetition_penalty = repetition_penalty
+        self.prefill_bucket = prefill_bucket
+        self.warmup_prompt_chars = warmup_prompt_chars
         self._decode_opts = {
             "context_tokens": context_tokens,
             "holdback_tokens": holdback_tokens,
@@ -176,6 +184,8 @@ class ChatTTSEngine:
         holdback_tokens: int = 4,
         crossfade_samples: int = 256,
         min_tokens: int = 1,
+        prefill_bucket: int = 16,
+        warmup_prompt_chars: int = 120,
     ) -> ChatTTSEngine:
         """Load the weights and build the engine.
 
@@ -194,6 +204,9 @@ class ChatTTSEngine:
             holdback_tokens: audio held back at the right edge until more tokens exist.
             crossfade_samples: crossfade between consecutive decode windows.
             min_tokens: EOS is banned before this many tokens (benchmarks force lengths with it).
+            prefill_bucket: prompts are padded up to a multiple of this many tokens, so the
+                kernels see a few prefill shapes instead of one per prompt length (1: no padding).
+            warmup_prompt_chars: :meth:`warmup` prefills every bucket up to a prompt this long.
 
         Raises:
             ModelUnavailableError: weights missing, hash mismatch, or hub unreachable.
@@ -214,6 +227,8 @@ class ChatTTSEngine:
             holdback_tokens=holdback_tokens,
             crossfade_samples=crossfade_samples,
             min_tokens=min_tokens,
+            prefill_bucket=prefill_bucket,
+            warmup_prompt_chars=warmup_prompt_chars,
         )
 
     @property
@@ -301,37 +316,58 @@ class ChatTTSEngine:
                 torch.cuda.empty_cache()
             raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
 
+    def prefill_length(self, prompt_tokens: int) -> int:
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        bucket = self.prefill_bucket
+        return min(-(-prompt_tokens // bucket) * bucket, self._max_positions - 1)
+
     def _prefill(self, seq: _Seq) -> RowGroup:
         ids, mask = seq.input_ids, seq.text_mask
         emb = self._chat.embed(ids, mask)
         self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
-        n = int(ids.shape[1])
+        group = RowGroup(
+            ids=[seq.request.seq_id],
+            layers=[],
+            pads=torch.zeros(1, dtype=torch.long, device=self.device),
+            hidden=torch.zeros(1, self.hidden_size, device=self.device),
+            history=torch.full((1, self.num_vq, PENALTY_WINDOW), self.eos + 1, device=self.device),
+        )
+        group.layers, group.hidden = self._prefill_padded(emb)
+        seq.prefilled = True
+        return group
+
+    def _prefill_padded(self, emb: torch.Tensor) -> tuple[list[GrowLayer], torch.Tensor]:
+        """Prefill ``(1, n, hidden)`` embeddings at their bucket's length; the KV cache keeps ``n``.
+
+        Every distinct prefill length costs the CPU kernels (oneDNN primitives, allocator pools)
+        memory that is never given back: one shape per prompt length made RSS climb by about
+        1 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``). Padding on the *right*
+        needs no attention mask: attention is causal, so the real positions never see the pad,
+        and the pad's cache entries are cut off before the first generated token overwrites them.
+        """
+        n = int(emb.shape[1])
+        length = max(n, self.prefill_length(n))
+        if length > n:
+            emb = torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
         layers = empty_layers(
             self._n_layers,
             1,
             self._kv_heads,
             self._head_dim,
-            n + self.block_schedule[0] + 8,
+            length + self.block_schedule[0] + 8,
             self.dtype,
             self.device,
         )
-        group = RowGroup(
-            ids=[seq.request.seq_id],
-            layers=layers,
-            pads=torch.zeros(1, dtype=torch.long, device=self.device),
-            hidden=torch.zeros(1, self.hidden_size, device=self.device),
-            history=torch.full((1, self.num_vq, PENALTY_WINDOW), self.eos + 1, device=self.device),
-        )
         out = self._llama(
             inputs_embeds=emb.to(self.dtype),
-            position_ids=torch.arange(n, device=self.device).unsqueeze(0),
-            past_key_values=group.cache(),
+            position_ids=torch.arange(length, device=self.device).unsqueeze(0),
+            past_key_values=Cache(layers=list(layers)),
             use_cache=True,
-            cache_position=torch.arange(n, device=self.device),
+            cache_position=torch.arange(length, device=self.device),
         )
-        group.hidden = out.last_hidden_state[:, -1].float()
-        seq.prefilled = True
-        return group
+        for layer in layers:
+            layer.truncate(n)
+        return layers, out.last_hidden_state[:, n - 1].float()
 
     def _assemble(self, ids: list[int]) -> RowGroup:
         """One group holding exactly ``ids``; other rows stay parked in their groups."""
@@ -441,7 +477,21 @@ class ChatTTSEngine:
             return self._decode_fn(hiddens)
 
     def warmup(self) -> None:
-        """Run one short sequence through every block size once (allocations, kernels, numba)."""
+        """Meet every shape serving will meet before the first request does.
+
+        Prefills every bucket up to the longest expected prompt, then runs one short sequence
+        through every block size (allocations, kernels, numba).
+        """
+        with torch.inference_mode():
+            longest = self._chat.tokenizer.encode(
+                [self.prompt_text("字" * self.warmup_prompt_chars, SynthesisParams())],
+                self.num_vq,
+                device=self.device,
+            )[0].shape[1]
+            # Without buckets (1) every length is its own shape: too many to warm, so none are.
+            buckets = range(self.prefill_bucket, self.prefill_length(int(longest)) + 1, self.prefill_bucket)
+            for length in buckets if self.prefill_bucket > 1 else ():
+                self._prefill_padded(torch.zeros((1, length, self.hidden_size), device=self.device))
         tokens = sum(self.block_schedule) + 1
         request = SequenceRequest(
             seq_id=_WARMUP_ID, text="warm up", params=SynthesisParams(seed=0), max_tokens=tokens

@@ -44,6 +44,8 @@ def parse_block_schedule(text: str) -> tuple[int, ...]:
 def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread)."""
     blocks = parse_block_schedule(settings.block_schedule)
+    if settings.prefill_bucket < 1:
+        raise ModelUnavailable(f"--prefill-bucket {settings.prefill_bucket}: must be at least 1 (1: off)")
 
     def build() -> Engine:
         from server.engine.chattts import ChatTTSEngine
@@ -64,6 +66,8 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 num_threads=settings.threads or None,
                 cache_dir=cache_root(settings) / "hub",
                 block_schedule=blocks,
+                prefill_bucket=settings.prefill_bucket,
+                warmup_prompt_chars=settings.segment_max_chars,
             )
         except ModelUnavailableError as exc:
             raise ModelUnavailable(str(exc)) from None

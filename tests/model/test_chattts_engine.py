@@ -183,3 +183,65 @@ def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
         assert engine.dtype == torch.bfloat16
     finally:
         engine.close()
+
+
+def _prefill_lengths(engine: Any) -> tuple[list[int], Any]:
+    """Record the sequence length of every multi-token Llama forward (the prefills)."""
+    seen: list[int] = []
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        length = int(kwargs["inputs_embeds"].shape[1])
+        if length > 1:
+            seen.append(length)
+
+    return seen, engine._llama.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) -> None:
+    """Prompts of many lengths reach the model at a few padded lengths, all of them seen in warm-up.
+
+    One kernel shape per prompt length made the CPU process grow without end in the soak
+    (bench/results/rss_shapes_tiny_cpu.md); this pins the mechanism that keeps it flat.
+    """
+    from server.engine.chattts import ChatTTSEngine
+
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=16, warmup_prompt_chars=60
+    )
+    seen, handle = _prefill_lengths(engine)
+    try:
+        engine.warmup()
+        warmed = set(seen)
+        seen.clear()
+        prompts = ["字" * n for n in range(1, 61, 3)] + ["word " * n for n in range(1, 12)]
+        run_to_end(engine, [req(i, text, max_tokens=2) for i, text in enumerate(prompts)])
+        served = set(seen)
+    finally:
+        handle.remove()
+        engine.close()
+    assert len(seen) == len(prompts)
+    assert all(length % 16 == 0 for length in served)
+    assert len(served) <= 6, served
+    assert served <= warmed, f"serving met prefill shapes warm-up never ran: {served - warmed}"
+
+
+def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_dir: Any) -> None:
+    """Right padding is invisible to causal attention: the audio equals an unpadded prefill's."""
+    from server.engine.chattts import ChatTTSEngine
+
+    assert tiny_engine.prefill_bucket > 1
+    exact = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=1)
+    seen, handle = _prefill_lengths(exact)
+    try:
+        unpadded = run_to_end(exact, [req(1, SENTENCES[2], max_tokens=40)])[1]
+    finally:
+        handle.remove()
+        exact.close()
+    padded_seen, padded_handle = _prefill_lengths(tiny_engine)
+    try:
+        padded = run_to_end(tiny_engine, [req(1, SENTENCES[2], max_tokens=40)])[1]
+    finally:
+        padded_handle.remove()
+    assert padded_seen[0] > seen[0], "the test prompt must actually be padded"
+    assert padded.tokens == unpadded.tokens
+    assert np.abs(padded.samples - unpadded.samples).max() < 1e-4
