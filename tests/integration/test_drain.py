@@ -6,57 +6,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import sys
-import urllib.error
-import urllib.request
 
+from tests.serverproc import free_port, http_status, spawn_server, wait_ready
 from tests.wsclient import open_client, recv_json, start
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def http_status(port: int, path: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            status: int = response.status
-            return status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
-    async with asyncio.timeout(60):
-        while True:
-            assert proc.returncode is None, "server exited during start-up"
-            try:
-                if await asyncio.to_thread(http_status, port, "/ready") == 200:
-                    return
-            except OSError:
-                pass
-            await asyncio.sleep(0.1)
 
 
 async def test_sigterm_drains_running_stream_then_exits_0() -> None:
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "server",
-        "serve",
-        "--engine",
-        "fake",
-        "--port",
-        str(port),
-        "--fake-step-ms",
-        "40",
-        "--drain-timeout-s",
-        "60",
+    proc = await spawn_server(
+        *("--engine", "fake", "--port", str(port), "--fake-step-ms", "40", "--drain-timeout-s", "60"),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -62,6 +62,16 @@ async def read_until_cut(ws: ClientConnection, got: dict[int, bytes], cut_after:
             raise AssertionError(msg)
 
 
+async def generation_ended(app: App, token: str | None) -> None:
+    """Wait until the server has generated all of the stream behind ``token`` (10 s at most)."""
+    assert token is not None
+    stream = app.service.registry.get(token)
+    assert stream is not None
+    async with asyncio.timeout(10):
+        while not stream.session.ended:
+            await asyncio.sleep(0.01)
+
+
 def contiguous_last(got: dict[int, bytes]) -> int:
     seq = -1
     while seq + 1 in got:
@@ -120,11 +130,7 @@ async def test_resume_after_done_replays_the_rest_and_done(make_app: Any) -> Non
     ws, _ = await open_client(app.port)
     await start(ws, id="s", text=TEXT, seed=5)
     token = await read_until_cut(ws, got, 3)
-    stream = app.service.registry.get(token)  # type: ignore[arg-type]
-    assert stream is not None
-    async with asyncio.timeout(10):
-        while not stream.session.ended:
-            await asyncio.sleep(0.01)
+    await generation_ended(app, token)
     ws2, _ = await open_client(app.port)
     await ws2.send(json.dumps({"type": "resume", "stream": token, "after_seq": contiguous_last(got)}))
     resumed = await recv_json(ws2)
@@ -142,11 +148,7 @@ async def test_resume_expired_when_needed_frames_were_evicted(make_app: Any) -> 
     ws, _ = await open_client(app.port)
     await start(ws, id="s", text=TEXT * 3, seed=2)
     token = await read_until_cut(ws, {}, 2)
-    stream = app.service.registry.get(token)  # type: ignore[arg-type]
-    assert stream is not None
-    async with asyncio.timeout(10):
-        while not stream.session.ended:
-            await asyncio.sleep(0.01)
+    await generation_ended(app, token)
     ws2, _ = await open_client(app.port)
     await ws2.send(json.dumps({"type": "resume", "stream": token, "after_seq": 1}))
     err = await recv_json(ws2)

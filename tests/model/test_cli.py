@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_drain import free_port, http_status, wait_ready
+from tests.serverproc import free_port, http_status, spawn_server, wait_ready
 
 pytestmark = pytest.mark.loopback  # the server subprocess on 127.0.0.1
 
@@ -24,15 +23,8 @@ async def test_serve_without_weights_offline_fails_fast_with_one_actionable_line
         "CHATTTS_CACHE_DIR": str(tmp_path / "c"),
     }
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "server",
-        "serve",
-        "--engine",
-        "chattts",
-        "--port",
-        str(free_port()),
+    proc = await spawn_server(
+        *("--engine", "chattts", "--port", str(free_port())),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -49,17 +41,8 @@ async def test_serve_without_weights_offline_fails_fast_with_one_actionable_line
 async def test_dev_model_flag_serves_random_weights_loudly_and_drains(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTTS_CACHE_DIR": str(tmp_path)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "server",
-        "serve",
-        "--dev-model",
-        "tiny",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
+    proc = await spawn_server(
+        *("--dev-model", "tiny", "--port", str(port), "--device", "cpu"),
         env=env,
         stderr=asyncio.subprocess.PIPE,
     )
