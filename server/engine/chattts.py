@@ -341,9 +341,10 @@ class ChatTTSEngine:
 
         Every distinct prefill length costs the CPU kernels (oneDNN primitives, allocator pools)
         memory that is never given back: one shape per prompt length made RSS climb by about
-        1 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``). Padding on the *right*
-        needs no attention mask: attention is causal, so the real positions never see the pad,
-        and the pad's cache entries are cut off before the first generated token overwrites them.
+        2 MiB per new length (120 lengths: +236 MiB on the tiny model,
+        ``bench/results/rss_shapes_tiny_cpu.md``). Padding on the *right* needs no attention
+        mask: attention is causal, so the real positions never see the pad, and the pad's cache
+        entries are cut off before the first generated token overwrites them.
         """
         n = int(emb.shape[1])
         length = max(n, self.prefill_length(n))
