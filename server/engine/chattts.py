@@ -317,24 +317,26 @@ class ChatTTSEngine:
             raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
 
     def prefill_length(self, prompt_tokens: int) -> int:
-        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
+
+        Never past the last position; never shorter than the prompt itself.
+        """
         bucket = self.prefill_bucket
-        return min(-(-prompt_tokens // bucket) * bucket, self._max_positions - 1)
+        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, self._max_positions - 1))
 
     def _prefill(self, seq: _Seq) -> RowGroup:
         ids, mask = seq.input_ids, seq.text_mask
         emb = self._chat.embed(ids, mask)
         self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
-        group = RowGroup(
+        layers, hidden = self._prefill_padded(emb)
+        seq.prefilled = True
+        return RowGroup(
             ids=[seq.request.seq_id],
-            layers=[],
+            layers=layers,
             pads=torch.zeros(1, dtype=torch.long, device=self.device),
-            hidden=torch.zeros(1, self.hidden_size, device=self.device),
+            hidden=hidden,
             history=torch.full((1, self.num_vq, PENALTY_WINDOW), self.eos + 1, device=self.device),
         )
-        group.layers, group.hidden = self._prefill_padded(emb)
-        seq.prefilled = True
-        return group
 
     def _prefill_padded(self, emb: torch.Tensor) -> tuple[list[GrowLayer], torch.Tensor]:
         """Prefill ``(1, n, hidden)`` embeddings at their bucket's length; the KV cache keeps ``n``.
@@ -347,7 +349,7 @@ class ChatTTSEngine:
         entries are cut off before the first generated token overwrites them.
         """
         n = int(emb.shape[1])
-        length = max(n, self.prefill_length(n))
+        length = self.prefill_length(n)
         if length > n:
             emb = torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
         layers = empty_layers(
@@ -483,16 +485,9 @@ class ChatTTSEngine:
         Prefills every bucket up to the longest expected prompt, then runs one short sequence
         through every block size (allocations, kernels, numba).
         """
-        with torch.inference_mode():
-            longest = self._chat.tokenizer.encode(
-                [self.prompt_text("字" * self.warmup_prompt_chars, SynthesisParams())],
-                self.num_vq,
-                device=self.device,
-            )[0].shape[1]
-            # Without buckets (1) every length is its own shape: too many to warm, so none are.
-            buckets = range(self.prefill_bucket, self.prefill_length(int(longest)) + 1, self.prefill_bucket)
-            for length in buckets if self.prefill_bucket > 1 else ():
-                self._prefill_padded(torch.zeros((1, length, self.hidden_size), device=self.device))
+        # Without buckets (1) every length is its own shape: too many to warm, so none are.
+        if self.prefill_bucket > 1:
+            self._warm_prefill_buckets()
         tokens = sum(self.block_schedule) + 1
         request = SequenceRequest(
             seq_id=_WARMUP_ID, text="warm up", params=SynthesisParams(seed=0), max_tokens=tokens
@@ -503,6 +498,19 @@ class ChatTTSEngine:
                 self.step([_WARMUP_ID])
         finally:
             self.drop(_WARMUP_ID)
+
+    def _warm_prefill_buckets(self) -> None:
+        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's."""
+        with torch.inference_mode():
+            longest = self._chat.tokenizer.encode(
+                [self.prompt_text("字" * self.warmup_prompt_chars, SynthesisParams())],
+                self.num_vq,
+                device=self.device,
+            )[0].shape[1]
+            for length in range(
+                self.prefill_bucket, self.prefill_length(int(longest)) + 1, self.prefill_bucket
+            ):
+                self._prefill_padded(torch.zeros((1, length, self.hidden_size), device=self.device))
 
     def memory_allocated(self) -> int:
         """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
