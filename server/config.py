@@ -86,6 +86,7 @@ class Settings:
     opus_bitrate: int = _opt(32_000, "Opus bitrate in bit/s (opus and ogg formats)")
     opus_complexity: int = _opt(5, "Opus encoder complexity 0-10 (5: ~0.002 CPU-s per audio-s here)")
     ogg_page_ms: int = _opt(100, "ogg format: audio per Ogg page (a page is flushed at least this often)")
+    mp3_bitrate: int = _opt(64, "mp3 format: CBR bitrate in kbit/s (8-160 at 8-24 kHz, 32-320 at 48 kHz)")
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
     max_batch: int = _opt(16, "most sequences advanced together in one engine step")
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")

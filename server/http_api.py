@@ -38,9 +38,13 @@ FORMATS: Final = {
     "pcm": ("pcm16", 24_000, "audio/pcm"),
     "wav": ("pcm16", 24_000, "audio/wav"),
     "opus": ("ogg", 24_000, "audio/ogg; codecs=opus"),
+    "mp3": ("mp3", 24_000, "audio/mpeg"),
+    "flac": ("flac", 24_000, "audio/flac"),
+    # Not OpenAI's: G.711 μ-law for telephony; audio/basic is 8 kHz mono μ-law (RFC 2046).
+    "mulaw": ("mulaw", 8_000, "audio/basic"),
 }
-#: OpenAI's default is ``mp3``, which this server does not produce; ``wav`` is the closest playable file.
-DEFAULT_FORMAT: Final = "wav"
+#: OpenAI's default. (``aac`` is not produced: see docs/protocol.md, Formats.)
+DEFAULT_FORMAT: Final = "mp3"
 #: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres).
 _SEEDED = "ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()  # noqa: SIM905
 OPENAI_VOICES: Final = {"alloy": "default"} | {name: f"seed:{n}" for n, name in enumerate(_SEEDED, start=11)}

@@ -142,6 +142,7 @@ class SpeechService:
                 opus_bitrate=s.opus_bitrate,
                 opus_complexity=s.opus_complexity,
                 ogg_page_ms=s.ogg_page_ms,
+                mp3_bitrate=s.mp3_bitrate,
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise ProtocolError("unsupported", str(exc), stream_id=msg.id) from None

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from server.audio.base import EncodedFrame, FrameEncoder
+from server.audio.flac import FlacEncoder
+from server.audio.mp3 import DEFAULT_MP3_BITRATE, Mp3Encoder
 from server.audio.ogg import DEFAULT_PAGE_MS, OggOpusEncoder
 from server.audio.opus import DEFAULT_BITRATE, DEFAULT_COMPLEXITY, OpusEncoder
 from server.audio.pcm import FRAME_MS, PcmEncoder
 from server.audio.resample import ResamplingEncoder, StreamResampler, resampled_length
 
 #: Formats the server can produce; ``hello`` advertises exactly these.
-SUPPORTED_FORMATS: tuple[str, ...] = ("pcm16", "f32", "opus", "ogg")
+SUPPORTED_FORMATS: tuple[str, ...] = ("pcm16", "f32", "opus", "ogg", "mp3", "flac", "mulaw")
 #: Output sample rates the server can produce (24 kHz is native; the others are resampled).
-SUPPORTED_RATES: tuple[int, ...] = (16_000, 24_000, 48_000)
+#: 8 kHz is telephony's rate (``mulaw``), open to every format.
+SUPPORTED_RATES: tuple[int, ...] = (8_000, 16_000, 24_000, 48_000)
 #: Formats whose encoding costs enough CPU to belong off the event loop (see
-#: bench/results/opus_cost_cpu.md); PCM framing is cheap enough to stay inline
-#: unless it also resamples.
-CPU_HEAVY_FORMATS: frozenset[str] = frozenset({"opus", "ogg"})
+#: bench/results/opus_cost_cpu.md and encoder_cost_cpu.md); PCM framing is cheap
+#: enough to stay inline. ``mulaw`` is a table lookup, but telephony asks for it
+#: at 8 kHz, so it nearly always resamples.
+CPU_HEAVY_FORMATS: frozenset[str] = frozenset({"opus", "ogg", "mp3", "flac", "mulaw"})
 
 
 class UnsupportedAudio(ValueError):
@@ -31,6 +35,7 @@ def make_encoder(
     opus_complexity: int = DEFAULT_COMPLEXITY,
     ogg_page_ms: int = DEFAULT_PAGE_MS,
     ogg_serial: int | None = None,
+    mp3_bitrate: int = DEFAULT_MP3_BITRATE,
     resample_quality: str = "HQ",
 ) -> FrameEncoder:
     """Build the stateful encoder for one stream.
@@ -50,6 +55,7 @@ def make_encoder(
         ogg_page_ms: ``ogg`` longest audio per page in ms (default 100);
             partial pages are closed at the end of every push anyway.
         ogg_serial: ``ogg`` stream serial number; random per stream when ``None``.
+        mp3_bitrate: ``mp3`` CBR bitrate in kbit/s (default 64).
         resample_quality: libsoxr preset (``QQ``, ``LQ``, ``MQ``, ``HQ``,
             ``VHQ``) when resampling; default ``HQ``.
 
@@ -74,6 +80,10 @@ def make_encoder(
             page_ms=ogg_page_ms,
             serial=ogg_serial,
         )
+    elif fmt == "mp3":
+        encoder = Mp3Encoder(sample_rate, bitrate=mp3_bitrate)
+    elif fmt == "flac":
+        encoder = FlacEncoder(sample_rate)
     else:
         encoder = PcmEncoder(fmt=fmt, sample_rate=sample_rate)
     if sample_rate != native_rate:
@@ -99,7 +109,9 @@ __all__ = [
     "SUPPORTED_FORMATS",
     "SUPPORTED_RATES",
     "EncodedFrame",
+    "FlacEncoder",
     "FrameEncoder",
+    "Mp3Encoder",
     "OggOpusEncoder",
     "OpusEncoder",
     "PcmEncoder",

@@ -1,10 +1,11 @@
-"""Raw PCM framing: 20 ms frames of signed 16-bit or float32 little-endian samples."""
+"""Raw PCM framing: 20 ms frames of signed 16-bit, float32 little-endian or G.711 μ-law samples."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from server.audio.base import EncodedFrame
+from server.audio.mulaw import to_mulaw
 from server.engine.base import AudioArray
 
 FRAME_MS = 20
@@ -14,7 +15,7 @@ class PcmEncoder:
     """Cuts audio into fixed 20 ms frames; only the stream's last frame is shorter."""
 
     def __init__(self, *, fmt: str, sample_rate: int) -> None:
-        if fmt not in ("pcm16", "f32"):
+        if fmt not in ("pcm16", "f32", "mulaw"):
             raise ValueError(f"not a PCM format: {fmt}")
         self._format = fmt
         self._sample_rate = sample_rate
@@ -23,7 +24,7 @@ class PcmEncoder:
 
     @property
     def format(self) -> str:
-        """``pcm16`` or ``f32``."""
+        """``pcm16``, ``f32`` or ``mulaw``."""
         return self._format
 
     @property
@@ -34,6 +35,8 @@ class PcmEncoder:
     def _payload(self, samples: AudioArray) -> bytes:
         if self._format == "f32":
             return samples.astype("<f4").tobytes()
+        if self._format == "mulaw":
+            return to_mulaw(to_pcm16(samples))
         return to_pcm16(samples).tobytes()
 
     def push(self, audio: AudioArray) -> list[EncodedFrame]:

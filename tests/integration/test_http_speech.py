@@ -179,7 +179,7 @@ def assert_openai_error(
         ({"model": "tts-1", "input": "Hi.", "speed": "fast"}, "bad_request", "speed"),
         ({"model": "tts-1", "input": "Hi.", "seed": -1}, "bad_request", "seed"),
         ({"model": "tts-1", "input": "Hi.", "speed": 5.0}, "bad_request", "speed"),
-        ({"model": "tts-1", "input": "Hi.", "response_format": "mp3"}, "unsupported", "response_format"),
+        ({"model": "tts-1", "input": "Hi.", "response_format": "aac"}, "unsupported", "response_format"),
         ({"model": "tts-1", "input": "Hi.", "response_format": "ogg"}, "unsupported", "response_format"),
         ({"model": "tts-1", "input": "Hi.", "stream_format": "sse"}, "unsupported", "stream_format"),
         ({"model": "tts-1", "input": "Hi.", "voice": "nobody"}, "unsupported", None),
@@ -206,7 +206,7 @@ async def test_malformed_json_and_unknown_routes(app: App) -> None:
     # The official client turns the error into an exception carrying our code.
     async with client(app) as oai:
         with pytest.raises(openai.BadRequestError) as refused:
-            await oai.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="flac")
+            await oai.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="aac")
     assert refused.value.code == "unsupported" and refused.value.param == "response_format"
 
 
@@ -255,7 +255,7 @@ async def test_models_and_voices(app: App) -> None:
     by_id = {v["id"]: v["voice"] for v in voices["data"]}
     assert by_id["alloy"] == "default" and by_id["shimmer"].startswith("seed:")
     assert {"default", "alto", "tenor"} <= set(by_id)
-    assert voices["formats"] == ["pcm", "wav", "opus"]
+    assert voices["formats"] == ["pcm", "wav", "opus", "mp3", "flac", "mulaw"]
 
 
 async def test_http_api_can_be_turned_off(make_app: Any) -> None:

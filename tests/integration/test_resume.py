@@ -96,7 +96,7 @@ async def broken_run(port: int, fmt: str, seed: int, cuts: list[int]) -> dict[in
     return got
 
 
-@pytest.mark.parametrize("fmt", ["pcm16", "opus"])
+@pytest.mark.parametrize("fmt", ["pcm16", "opus", "mp3", "flac", "mulaw"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cuts=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=st.integers(0, 1000))
 def test_cut_and_resume_reassembles_the_unbroken_stream(fmt: str, cuts: list[int], seed: int) -> None:

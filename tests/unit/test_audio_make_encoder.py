@@ -19,8 +19,8 @@ from server.audio import (
 
 
 def test_advertised_sets() -> None:
-    assert SUPPORTED_FORMATS == ("pcm16", "f32", "opus", "ogg")
-    assert SUPPORTED_RATES == (16_000, 24_000, 48_000)
+    assert SUPPORTED_FORMATS == ("pcm16", "f32", "opus", "ogg", "mp3", "flac", "mulaw")
+    assert SUPPORTED_RATES == (8_000, 16_000, 24_000, 48_000)
 
 
 @pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
@@ -50,7 +50,7 @@ def test_options_reach_the_encoders() -> None:
 
 def test_unsupported() -> None:
     with pytest.raises(UnsupportedAudio, match="format"):
-        make_encoder("mp3", 24_000)
+        make_encoder("aac", 24_000)
     with pytest.raises(UnsupportedAudio, match="sample_rate"):
         make_encoder("pcm16", 44_100)
     with pytest.raises(ValueError):
@@ -58,6 +58,6 @@ def test_unsupported() -> None:
 
 
 def test_opus_preskip_helper() -> None:
-    assert [opus_preskip(make_encoder("opus", r)) for r in SUPPORTED_RATES] == [104, 156, 312]
+    assert [opus_preskip(make_encoder("opus", r)) for r in SUPPORTED_RATES] == [52, 104, 156, 312]
     assert opus_preskip(make_encoder("ogg", 24_000)) == 0  # carried in OpusHead instead
     assert opus_preskip(make_encoder("pcm16", 48_000)) == 0
