@@ -1,0 +1,72 @@
+"""A loopback TCP proxy whose connections a test can cut (TCP reset), like a network failure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:<port> to a target port; :meth:`cut` resets every open connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.cuts = 0
+        #: While set, new connections are reset at once (the network is still down).
+        self.blocked = False
+        self._server: asyncio.Server | None = None
+        self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> CuttableProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self._reset_all()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self._server.wait_closed()
+
+    def cut(self) -> None:
+        """Reset every connection through the proxy now (both sides see a TCP RST)."""
+        if self._pairs:
+            self.cuts += 1
+        self._reset_all()
+
+    def _reset_all(self) -> None:
+        for client, upstream in self._pairs:
+            for writer in (client, upstream):
+                sock = writer.get_extra_info("socket")
+                if sock is not None:  # linger 0: close sends RST and drops unsent data
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                writer.transport.abort()
+        self._pairs.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.blocked:
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._pairs.append((writer, up_writer))
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(source, sink))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        sink.transport.abort()
