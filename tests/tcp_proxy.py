@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 
 
 class CuttableProxy:
@@ -48,7 +49,7 @@ class CuttableProxy:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:  # linger 0: close sends RST and drops unsent data
                     with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.transport.abort()
         self._pairs.clear()
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import chattts_stream_client as cs
 import pytest
 import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import chattts_stream_client as cs
 from server.app import App
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from tests.integration.conftest import fake_settings
@@ -101,7 +101,8 @@ async def test_segments_are_reported_once_across_resumes(make_app: Any) -> None:
             marks += chunk.segments
             if chunk.seq in (0, 5, 12):
                 proxy.cut()
-    assert [m.text for m in marks] == ["First sentence of the story.", "第二句话在这里。", "And the third one ends it."]
+    texts = ["First sentence of the story.", "第二句话在这里。", "And the third one ends it."]
+    assert [m.text for m in marks] == texts
     assert marks == stream.segments and marks[0].seq == 0 and marks[0].sample == 0
     assert stream.done is not None and stream.done.samples == done["samples"]
 
@@ -136,7 +137,7 @@ async def test_incremental_text_gives_the_one_shot_bytes(app: App) -> None:
             _, audio = await asyncio.gather(feed(), listen())
     assert audio == once
     assert first_audio_after[0] < len(llm_tokens(ANSWER))  # audio flowed while text was still coming
-    assert [s.text for s in stream.segments][0] == "Sentence one is here."
+    assert stream.segments[0].text == "Sentence one is here."
 
 
 async def test_text_sent_while_disconnected_goes_out_after_the_resume(make_app: Any) -> None:
@@ -172,7 +173,9 @@ async def test_text_sent_while_disconnected_goes_out_after_the_resume(make_app: 
         (("--max-queue", "0"), {}, cs.Overloaded),
     ],
 )
-async def test_refusals_raise_their_exception(make_app: Any, flags: tuple[str, ...], options: Any, error: type) -> None:
+async def test_refusals_raise_their_exception(
+    make_app: Any, flags: tuple[str, ...], options: Any, error: type
+) -> None:
     app = await make_app(*flags)
     async with cs.Client(url(app.port)) as client:
         text = options.pop("text", "Hello there.")
@@ -266,7 +269,9 @@ async def test_read_timeout_and_unreachable_server(make_app: Any) -> None:
 
 async def test_several_streams_share_one_connection(app: App) -> None:
     texts = ["One stream here.", "第二个流。", "And a third one."]
-    expected = [b"".join(f[3] for f in (await raw_stream(app.port, text=t, seed=i))[0]) for i, t in enumerate(texts)]
+    expected = [
+        b"".join(f[3] for f in (await raw_stream(app.port, text=t, seed=i))[0]) for i, t in enumerate(texts)
+    ]
     async with cs.Client(url(app.port)) as client:
         got = await asyncio.gather(*(client.synthesize(t, seed=i) for i, t in enumerate(texts)))
         assert client.connections == 1
