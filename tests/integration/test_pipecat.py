@@ -1,0 +1,95 @@
+"""The pipecat TTS service (client_py's ``pipecat`` extra) in a pipecat pipeline, with pipecat's test helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from chattts_stream_client.pipecat import ChatTTSStreamTTSService
+from pipecat.frames.frames import (
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+)
+from pipecat.tests.utils import SleepFrame, run_test
+
+from server.app import App
+from server.engine.fake import FakeEngine
+from tests.integration.test_incremental import ANSWER, llm_tokens
+from tests.wsclient import collect, open_client, start
+
+
+def url(app: App) -> str:
+    return f"ws://127.0.0.1:{app.port}/v1/stream"
+
+
+async def ws_pcm(app: App, text: str, seed: int) -> bytes:
+    ws, _ = await open_client(app.port)
+    await start(ws, id="ref", text=text, seed=seed, voice="default")
+    log = (await collect(ws, {"ref"}))["ref"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete"
+    return log.payload
+
+
+def llm_answer(text: str) -> list[Any]:
+    return [
+        LLMFullResponseStartFrame(),
+        *(LLMTextFrame(t) for t in llm_tokens(text)),
+        LLMFullResponseEndFrame(),
+    ]
+
+
+async def test_text_frames_in_audio_frames_out_equal_the_websocket_stream(app: App) -> None:
+    tts = ChatTTSStreamTTSService(url=url(app), seed=9)
+    requests: list[str] = []
+
+    @tts.event_handler("on_tts_request")
+    async def on_request(service: Any, context_id: str, text: str) -> None:
+        requests.append(text)
+
+    down, _ = await run_test(tts, frames_to_send=[*llm_answer(ANSWER), SleepFrame(1.0)])
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and {(f.sample_rate, f.num_channels) for f in audio} == {(24_000, 1)}
+    # pipecat hands over sentences; each is one stream of the server: the same bytes as the WebSocket.
+    assert [r.strip() for r in requests] == [
+        "Sentence one is here.",
+        "第二句话在这里。",
+        "The third sentence ends it all.",
+    ]
+    expected = b"".join([await ws_pcm(app, text, 9) for text in requests])
+    assert b"".join(f.audio for f in audio) == expected
+
+
+async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> None:
+    app = await make_app("--fake-step-ms", "100", "--cache-bytes", "0")
+    engine = app.scheduler.engine
+    assert isinstance(engine, FakeEngine)
+    tts = ChatTTSStreamTTSService(url=url(app), seed=3)
+    long_sentence = "This one long sentence keeps the engine busy for many blocks, " * 12 + "and then ends."
+    dropped_at: list[float] = []
+
+    async def watch() -> None:  # when the engine dropped the row (a cancel, not an end)
+        while not dropped_at:
+            if any(kind == "drop" for kind, _ in list(engine.events)):
+                dropped_at.append(time.monotonic())
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        frames = [*llm_answer(long_sentence), SleepFrame(0.8), InterruptionFrame(), SleepFrame(2.0)]
+        down, _ = await run_test(tts, frames_to_send=frames)
+        ended_at = time.monotonic()  # the EndFrame (which closes the client) came 2 s after the interruption
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    audio = b"".join(f.audio for f in down if isinstance(f, TTSAudioRawFrame))
+    assert audio  # it was speaking when interrupted
+    assert dropped_at and dropped_at[0] < ended_at - 1.5  # freed by the interruption, not by the shutdown
+    assert engine.live_sequences == 0
+    full = await ws_pcm(app, long_sentence, 3)
+    assert len(audio) < len(full) and full.startswith(audio)  # a prefix of the stream: cut short
+    assert 'chattts_streams_total{reason="cancelled"} 1.0' in app.metrics.render().decode()
