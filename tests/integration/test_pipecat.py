@@ -1,4 +1,4 @@
-"""The pipecat TTS service (client_py's ``pipecat`` extra) in a pipecat pipeline, with pipecat's test helpers."""
+"""The pipecat TTS service (client_py's ``pipecat`` extra) in a pipeline run by pipecat's ``run_test``."""
 
 from __future__ import annotations
 
