@@ -55,7 +55,7 @@ if [[ $DEV -eq 1 ]]; then
 fi
 
 # --- Python environment -----------------------------------------------------
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-dev$DEV-$TORCH_SPEC"
+want="$(cat pyproject.toml client_py/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-dev$DEV-$TORCH_SPEC"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
@@ -75,5 +75,10 @@ extras="model"
 [[ $DEV -eq 1 ]] && extras="model,dev"
 log "installing chattts-stream[$extras]"
 "${PIP[@]}" -e ".[$extras]"
+if [[ $DEV -eq 1 ]]; then
+  # The Python client (bench/ uses it) with its pipecat extra (tests/integration/test_pipecat.py).
+  log "installing client_py[pipecat]"
+  "${PIP[@]}" -e "./client_py[pipecat]"
+fi
 echo "$want" > "$STAMP"
 log "ready: $VENV"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import chattts_stream_client as cs
 import pytest
 import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import chattts_stream_client as cs
 from server.app import App
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from tests.integration.conftest import fake_settings

@@ -6,7 +6,6 @@ import asyncio
 import time
 from typing import Any
 
-from chattts_stream_client.pipecat import ChatTTSStreamTTSService
 from pipecat.frames.frames import (
     InterruptionFrame,
     LLMFullResponseEndFrame,
@@ -16,6 +15,7 @@ from pipecat.frames.frames import (
 )
 from pipecat.tests.utils import SleepFrame, run_test
 
+from chattts_stream_client.pipecat import ChatTTSStreamTTSService
 from server.app import App
 from server.engine.fake import FakeEngine
 from tests.integration.test_incremental import ANSWER, llm_tokens

@@ -1,0 +1,263 @@
+"""One stream on the client: its seq bookkeeping across resumes, its chunk queue, its text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from chattts_stream_client.errors import (
+    ChatTTSStreamError,
+    EngineError,
+    ProtocolViolation,
+    StreamTimeout,
+)
+from chattts_stream_client.wire import AudioChunk, Done, FrameHeader, Segment
+
+if TYPE_CHECKING:
+    from chattts_stream_client.client import Client
+
+Phase = Literal["pending", "starting", "live", "detached", "done", "failed", "cancelled"]
+_END = object()  # queued after a stream's last chunk
+
+
+class SpeechStream:
+    """A stream of audio chunks: ``async for chunk in stream`` until its last frame.
+
+    Made by :meth:`Client.speak` (one text) or :meth:`Client.open_stream` (text
+    sent with :meth:`append`/:meth:`flush`/:meth:`end` while audio flows). The
+    stream survives a lost connection: the client reconnects and resumes it
+    after the last frame it took, so every seq is yielded exactly once.
+    Iteration raises the stream's error (a refusal such as
+    :class:`~chattts_stream_client.errors.Overloaded`, an
+    :class:`~chattts_stream_client.errors.EngineError` after the audio it
+    produced, a lost connection) once the chunks before it were taken.
+    """
+
+    def __init__(self, client: Client, stream_id: str, start: dict[str, Any], queue_size: int) -> None:
+        self.id = stream_id
+        self.incremental = bool(start.get("incremental"))
+        self._client = client
+        self._start = start
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=queue_size)
+        self.phase: Phase = "pending"
+        #: The resume token (from ``started``); None until the server accepted the stream.
+        self.token: str | None = None
+        self.slot: int | None = None
+        self.format: str = str(start.get("format", "pcm16"))
+        self.sample_rate: int = int(start.get("sample_rate", 24_000))
+        #: Opus only: decoded samples to drop at the start (``started.preskip``).
+        self.preskip = 0
+        #: Last seq taken with none missing before it: the ``after_seq`` of a resume.
+        self.last_seq = -1
+        self.done: Done | None = None
+        self.error: ChatTTSStreamError | None = None
+        self.resumes = 0
+        self.duplicates = 0
+        #: ``segment`` messages in order, each once.
+        self.segments: list[Segment] = []
+        self._pending_segments: dict[int, list[Segment]] = {}
+        self._segment_keys: set[tuple[int, int]] = set()
+        #: Text messages not yet sent (the stream is between connections) and, until
+        #: ``started``, those sent (so that a restart on a new connection repeats them).
+        self._outbox: list[dict[str, Any]] = []
+        self._unacked_text: list[dict[str, Any]] = []
+        self._ended_text = False
+        self._started = asyncio.Event()
+        self.created = time.perf_counter()
+        #: ``time.perf_counter()`` when the first chunk was read (None: none yet).
+        self.first_chunk_at: float | None = None
+
+    # --- the user's side ---------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[AudioChunk]:
+        await self.start()
+        while True:
+            item = await self._get()
+            if item is _END:
+                if self.error is not None:
+                    raise self.error
+                return
+            assert isinstance(item, AudioChunk)
+            yield item
+
+    async def _get(self) -> object:
+        timeout = self._client.read_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._queue.get()
+        except TimeoutError:
+            raise StreamTimeout(f"no audio for {timeout} s", stream_id=self.id) from None
+
+    async def start(self) -> SpeechStream:
+        """Send ``start`` (once) and wait for the server's ``started``.
+
+        Raises:
+            ChatTTSStreamError: the server refused the stream (the subclass of its code).
+            StreamTimeout: no answer within the client's ``read_timeout``.
+        """
+        if self.phase == "pending":
+            await self._client._launch(self)
+        if self.phase in ("failed", "done", "cancelled") and self.error is not None and self.token is None:
+            raise self.error
+        try:
+            async with asyncio.timeout(self._client.read_timeout):
+                await self._started.wait()
+        except TimeoutError:
+            raise StreamTimeout("no answer to start", stream_id=self.id) from None
+        if self.token is None and self.error is not None:
+            raise self.error
+        return self
+
+    async def read_all(self) -> bytes:
+        """Every chunk's payload, concatenated (a whole file for ogg/mp3/flac, samples for PCM)."""
+        return b"".join([chunk.data async for chunk in self])
+
+    async def append(self, text: str) -> None:
+        """Add text to an incremental stream; each sentence is spoken once complete."""
+        await self._text({"type": "append", "id": self.id, "text": text})
+
+    async def flush(self) -> None:
+        """Speak the buffered text now, sentence end or not."""
+        await self._text({"type": "flush", "id": self.id})
+
+    async def end(self) -> None:
+        """No more text: the stream finishes after the buffered text is spoken."""
+        await self._text({"type": "end", "id": self.id})
+        self._ended_text = True
+
+    async def cancel(self) -> None:
+        """Stop now: iteration ends at once and the server stops generating (it answers ``done``)."""
+        if self.phase in ("done", "failed", "cancelled"):
+            return
+        live = self.phase in ("starting", "live")
+        self.phase = "cancelled"
+        self._drop_queued()
+        self._queue.put_nowait(_END)
+        if live:
+            await self._client._send({"type": "cancel", "id": self.id})
+        if self.token is None or not live:
+            self._client._forget(self)  # nothing more will come for it
+
+    async def _text(self, message: dict[str, Any]) -> None:
+        if not self.incremental:
+            raise TypeError("append/flush/end need a stream from open_stream()")
+        if self._ended_text:
+            raise RuntimeError("end() was already called")
+        if self.error is not None:
+            raise self.error
+        if self.phase in ("done", "failed", "cancelled"):
+            raise RuntimeError(f"the stream is {self.phase}")
+        if self.phase in ("starting", "live") and not self._outbox and self._client._connected:
+            if self.token is None:
+                self._unacked_text.append(message)
+            await self._client._send(message)
+        else:
+            self._outbox.append(message)
+
+    # --- the client's side -------------------------------------------------------
+
+    def _start_messages(self) -> list[str]:
+        """``start`` and the text sent before ``started`` (to repeat on a new connection)."""
+        texts = self._unacked_text + self._outbox
+        self._unacked_text, self._outbox = list(texts), []
+        return [json.dumps(m, ensure_ascii=False) for m in [self._start, *texts]]
+
+    def _take_outbox(self) -> list[str]:
+        """Text held while the stream was between connections (sent after ``resumed``)."""
+        out, self._outbox = self._outbox, []
+        return [json.dumps(m, ensure_ascii=False) for m in out]
+
+    def _on_started(self, message: dict[str, Any]) -> None:
+        self.token = str(message["stream"])
+        self.slot = int(message["slot"])
+        self.format = str(message.get("format", self.format))
+        self.sample_rate = int(message.get("sample_rate", self.sample_rate))
+        self.preskip = int(message.get("preskip", 0))
+        self._unacked_text = []
+        if self.phase == "starting":
+            self.phase = "live"
+        self._started.set()
+
+    def _on_resumed(self, message: dict[str, Any]) -> None:
+        self.slot = int(message["slot"])
+        self.resumes += 1
+        if self.phase in ("starting", "detached"):
+            self.phase = "live"
+
+    def _on_segment(self, message: dict[str, Any]) -> None:
+        key = (int(message["seq"]), int(message["sample"]))
+        if key in self._segment_keys or key[0] <= self.last_seq:
+            return  # replayed after a resume: taken once
+        self._segment_keys.add(key)
+        segment = Segment(str(message.get("text", "")), key[0], key[1])
+        self.segments.append(segment)
+        self._pending_segments.setdefault(key[0], []).append(segment)
+
+    async def _on_frame(self, header: FrameHeader, payload: bytes, received_at: float) -> None:
+        """Take a frame once, in seq order.
+
+        Raises:
+            ProtocolViolation: a seq beyond the next one (frames were lost).
+        """
+        if header.seq <= self.last_seq:
+            self.duplicates += 1
+            return
+        if header.seq != self.last_seq + 1:
+            raise ProtocolViolation(f"stream {self.id}: seq {header.seq} after {self.last_seq}")
+        self.last_seq = header.seq
+        if self.phase == "cancelled":
+            return
+        if self.first_chunk_at is None:
+            self.first_chunk_at = received_at
+        segments = tuple(self._pending_segments.pop(header.seq, ()))
+        chunk = AudioChunk(payload, header.seq, header.sample, header.last, segments, received_at)
+        await self._queue.put(chunk)  # bounded: a slow consumer slows the connection's reader
+
+    def _on_error(self, error: ChatTTSStreamError) -> None:
+        """An ``error`` for this stream: a refusal before ``started``, else a failure (``done`` follows)."""
+        if self.token is None:
+            self._fail_with(error)
+        elif isinstance(error, EngineError) or self.error is None:
+            self.error = error
+
+    def _on_done(self, message: dict[str, Any]) -> None:
+        self.done = Done(str(message["reason"]), int(message["last_seq"]), int(message["samples"]))
+        if self.done.reason == "error" and self.error is None:
+            self.error = EngineError("the stream failed", stream_id=self.id)
+        if self.phase != "cancelled":
+            self.phase = "done"
+            if self._queue.full():
+                self._end_later()
+            else:
+                self._queue.put_nowait(_END)
+
+    def _fail_with(self, error: ChatTTSStreamError) -> None:
+        """End the stream with ``error`` (raised once the chunks before it were taken)."""
+        if self.phase in ("done", "failed", "cancelled"):
+            return
+        self.error = error
+        self.phase = "failed"
+        self._started.set()
+        if self._queue.full():
+            self._end_later()
+        else:
+            self._queue.put_nowait(_END)
+
+    def _end_later(self) -> None:
+        # The queue is full (a slow consumer): the end marker waits its turn, owned by the client.
+        self._client._spawn(self._queue.put(_END))
+
+    def _drop_queued(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    @property
+    def finished(self) -> bool:
+        """The stream needs nothing more from the server."""
+        return self.phase in ("done", "failed", "cancelled")
