@@ -55,7 +55,9 @@ if [[ $DEV -eq 1 ]]; then
 fi
 
 # --- Python environment -----------------------------------------------------
-want="$(cat pyproject.toml client_py/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-dev$DEV-$TORCH_SPEC"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-dev$DEV-$TORCH_SPEC"
+# The dev set-up also installs client_py (the Docker image, runtime only, does not copy it).
+[[ $DEV -eq 1 ]] && want+="-client-$(sha256sum client_py/pyproject.toml | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
