@@ -1,27 +1,22 @@
-"""One stream over its own WebSocket connection, timed frame by frame (protocol v1).
+"""One stream over its own connection, timed frame by frame, through the Python client (client_py).
 
-Deliberately independent of the ``server`` package: the harness runs
-against any protocol-v1 server, local or remote.
+The harness runs against any protocol-v1 server, local or remote; it does not
+import the ``server`` package. ``chattts_stream_client`` does the protocol
+(and stamps each chunk with the moment it was read from the socket, so the
+timings do not include the consumer's queue); this module records timings.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
-
 from bench.audio import DEFAULT_SILENCE_THRESHOLD, first_loud_index, make_decoder
 from bench.latency import StreamRecord
 from bench.textset import Job
-
-HEADER = struct.Struct("<BBHII")
-FLAG_LAST = 0x01
+from chattts_stream_client import ChatTTSStreamError, Client, ConnectionLost, EngineError, SpeechStream
 
 
 @dataclass(frozen=True)
@@ -48,26 +43,11 @@ class StreamOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def open_connection(url: str, timeout_s: float = 30.0) -> tuple[ClientConnection, dict[str, Any]]:
-    """Connect (no compression, no size limit) and read ``hello``."""
-    ws = await connect(url, compression=None, max_size=None, open_timeout=timeout_s, ping_interval=None)
-    try:
-        async with asyncio.timeout(timeout_s):
-            hello = json.loads(await ws.recv())
-    except BaseException:
-        await ws.close()
-        raise
-    if not isinstance(hello, dict) or hello.get("type") != "hello":
-        await ws.close()
-        raise ValueError(f"expected hello, got {hello!r}")
-    return ws, hello
-
-
 async def fetch_hello(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
     """The server's ``hello`` (one short-lived connection)."""
-    ws, hello = await open_connection(url, timeout_s)
-    await ws.close()
-    return hello
+    async with Client(url, connect_timeout=timeout_s) as client:
+        assert client.hello is not None
+        return client.hello
 
 
 async def run_stream(
@@ -87,94 +67,77 @@ async def run_stream(
         sample_rate=options.sample_rate,
         t_connect=time.perf_counter(),
     )
+    # No resume: a benchmark counts a lost connection as an error, it does not hide it.
+    client = Client(url, connect_timeout=options.timeout_s, read_timeout=options.timeout_s, resume=False)
     try:
-        ws, _ = await open_connection(url, options.timeout_s)
-    except InvalidStatus as exc:
-        record.errors.append(f"connect_failed_http_{exc.response.status_code}")
+        await client.connect()
+    except ChatTTSStreamError as exc:
+        refused = isinstance(exc, ConnectionLost) and exc.code.startswith("http_")
+        record.errors.append(f"connect_failed_{exc.code}" if refused else "connect_failed")
         record.t_send = time.perf_counter()
-        return record
-    except (OSError, TimeoutError, ConnectionClosed, ValueError):
-        record.errors.append("connect_failed")
-        record.t_send = time.perf_counter()
+        await client.close()
         return record
     try:
         async with asyncio.timeout(options.timeout_s):
-            await _converse(ws, job, options, record, stop)
-    except TimeoutError:
+            await _converse(client, job, options, record, stop)
+    except TimeoutError:  # the client's StreamTimeout is one too
         record.errors.append("timeout")
-    except ConnectionClosed as exc:
-        code = exc.rcvd.code if exc.rcvd is not None else 1006
-        record.errors.append(f"connection_closed_{code}")
+    except ConnectionLost:
+        record.errors.append("connection_lost")
     finally:
-        await ws.close()
+        await client.close()
     return record
 
 
 async def _converse(
-    ws: ClientConnection, job: Job, options: StreamOptions, record: StreamRecord, stop: asyncio.Event | None
+    client: Client, job: Job, options: StreamOptions, record: StreamRecord, stop: asyncio.Event | None
 ) -> None:
-    sid = f"b{job.index}"
-    start = {
-        "type": "start",
-        "id": sid,
-        "text": job.text.text,
-        "format": options.fmt,
-        "sample_rate": options.sample_rate,
-        "seed": job.seed,
-        **options.extra,
-    }
-    cancel = json.dumps({"type": "cancel", "id": sid})
+    fields = {"format": options.fmt, "sample_rate": options.sample_rate, "seed": job.seed, **options.extra}
+    stream = client.speak(job.text.text, stream_id=f"b{job.index}", **fields)
     record.t_send = time.perf_counter()
-    await ws.send(json.dumps(start, ensure_ascii=False))
+    try:
+        await stream.start()
+    except ConnectionLost:
+        raise
+    except ChatTTSStreamError as exc:  # refused: no done follows
+        record.errors.append(exc.code)
+        record.t_done = time.perf_counter()
+        return
+    record.sample_rate = stream.sample_rate
     decoder = make_decoder(options.fmt, options.sample_rate)
     offset = 0
-    started = False
     cap = int(options.max_audio_s * options.sample_rate)
-    cut_task = asyncio.create_task(_cut_on_stop(ws, stop, cancel, record)) if stop is not None else None
+    cut_task = asyncio.create_task(_cut_on_stop(stream, stop, record)) if stop is not None else None
     try:
-        while True:
-            raw = await ws.recv()
-            now = time.perf_counter()
-            if isinstance(raw, bytes):
-                flags = raw[1]
-                samples = decoder.decode(raw[HEADER.size :])
-                record.frames.append((now, int(samples.size)))
-                if record.t_first_loud is None:
-                    loud = first_loud_index(samples, options.silence_threshold)
-                    if loud is not None:
-                        record.t_first_loud, record.first_loud_sample = now, offset + loud
-                offset += int(samples.size)
-                if cap and offset >= cap and not record.capped and not record.cut and not flags & FLAG_LAST:
-                    record.capped = True
-                    await ws.send(cancel)
-                continue
-            message = json.loads(raw)
-            kind = message.get("type")
-            if kind == "started":
-                started = True
-                record.sample_rate = int(message.get("sample_rate", options.sample_rate))
-            elif kind == "error":
-                record.errors.append(str(message.get("code", "unknown")))
-                if not started and message.get("code") != "engine_error":
-                    record.t_done = now  # refused: no done follows
-                    return
-            elif kind == "done":
-                record.t_done = now
-                record.reason = str(message.get("reason"))
-                _fix_last_frame(record, message.get("samples"))
-                return
+        async for chunk in stream:
+            samples = decoder.decode(chunk.data)
+            record.frames.append((chunk.received_at, int(samples.size)))
+            if record.t_first_loud is None:
+                loud = first_loud_index(samples, options.silence_threshold)
+                if loud is not None:
+                    record.t_first_loud, record.first_loud_sample = chunk.received_at, offset + loud
+            offset += int(samples.size)
+            if cap and offset >= cap and not record.capped and not record.cut and not chunk.last:
+                record.capped = True
+                await stream.cancel()
+    except EngineError:
+        record.errors.append("engine_error")
     finally:
         if cut_task is not None:
             cut_task.cancel()
             await asyncio.gather(cut_task, return_exceptions=True)
+    record.t_done = time.perf_counter()
+    record.reason = stream.done.reason if stream.done is not None else "cancelled"
+    if stream.done is not None:
+        _fix_last_frame(record, stream.done.samples)
 
 
-async def _cut_on_stop(ws: ClientConnection, stop: asyncio.Event, cancel: str, record: StreamRecord) -> None:
-    """When ``stop`` is set, cancel the stream (the reader then waits for its ``done``)."""
+async def _cut_on_stop(stream: SpeechStream, stop: asyncio.Event, record: StreamRecord) -> None:
+    """When ``stop`` is set, cancel the stream (its iteration then ends)."""
     await stop.wait()
     if not record.capped:
         record.cut = True
-        await ws.send(cancel)
+        await stream.cancel()
 
 
 def _fix_last_frame(record: StreamRecord, total: object) -> None:

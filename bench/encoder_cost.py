@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.opus_cost import NATIVE, machine, measure, signal  # noqa: E402
+from bench.opus_cost import NATIVE, machine, measure, signal
 
 CASES = [
     ("pcm16", 24_000),
@@ -71,7 +71,8 @@ def main() -> None:
         "complexity 5, mp3 64 kbit/s CBR LAME quality 5, flac libsndfile default level. Rates other "
         "than 24 kHz include the resampler.",
         "",
-        "| format | rate | CPU-s per audio-s | µs per 20 ms | ms per push (mean / max) | streams/core | kbit/s |",
+        "| format | rate | CPU-s per audio-s | µs per 20 ms | ms per push (mean / max) | streams/core "
+        "| kbit/s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

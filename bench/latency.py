@@ -34,7 +34,7 @@ class StreamRecord:
         t_done: when ``done`` (or the end of the stream) arrived.
         reason: ``done.reason`` or ``None`` when the stream did not end normally.
         errors: error codes seen for this stream (wire codes or harness ones
-            such as ``connect_failed``, ``connection_closed``, ``timeout``).
+            such as ``connect_failed``, ``connection_lost``, ``timeout``).
         capped: the harness cancelled the stream at its audio-length cap.
         cut: the harness cancelled the stream at the end of the scenario.
     """
