@@ -702,7 +702,7 @@ class Soak:
                 text = (short * (max_chars // max(1, len(short)) + 2))[: max_chars + 1 + plan.index % 100]
                 await conn.send({"type": "start", "id": "bad", "text": text})
             elif sub == "bad_format":
-                await conn.send({"type": "start", "id": "bad", "text": short, "format": "mp3"})
+                await conn.send({"type": "start", "id": "bad", "text": short, "format": "aac"})
             elif sub == "bad_rate":
                 await conn.send({"type": "start", "id": "bad", "text": short, "sample_rate": 22_050})
             elif sub == "bad_voice":

@@ -38,7 +38,7 @@ BAD_MESSAGES: list[tuple[str, str | bytes, str, str | None]] = [
     ("negative top_k", '{"type": "start", "id": "x", "text": "hi", "top_k": -1}', "bad_request", "x"),
     ("binary frame", b"\x01\x02\x03", "bad_request", None),
     ("cancel unknown id", '{"type": "cancel", "id": "nope"}', "bad_request", "nope"),
-    ("unknown format", '{"type": "start", "id": "x", "text": "hi", "format": "mp3"}', "unsupported", "x"),
+    ("unknown format", '{"type": "start", "id": "x", "text": "hi", "format": "aac"}', "unsupported", "x"),
     ("unknown rate", '{"type": "start", "id": "x", "text": "hi", "sample_rate": 44100}', "unsupported", "x"),
     ("unknown voice", '{"type": "start", "id": "x", "text": "hi", "voice": "robot"}', "unsupported", "x"),
     ("bad seed voice", '{"type": "start", "id": "x", "text": "hi", "voice": "seed:abc"}', "unsupported", "x"),

@@ -20,19 +20,9 @@ from server.audio.mulaw import DECODE_TABLE, ENCODE_TABLE
 from server.audio.pcm import PcmEncoder
 from server.http_api import OPENAI_VOICES
 from tests.integration.test_http_speech import TEXT, base_url, post, ws_payload
+from tests.unit.test_audio_formats import ffmpeg_decode as ffmpeg
+from tests.unit.test_audio_formats import snr_db
 from tests.wsclient import collect, open_client, start
-
-
-def ffmpeg(data: bytes, fmt: str) -> np.ndarray:
-    """Decode with Debian's ffmpeg to float32 at the stream's own rate."""
-    out = subprocess.run(
-        ["ffmpeg", "-v", "error", "-f", fmt, "-i", "pipe:0", "-f", "f32le", "pipe:1"],
-        input=data,
-        capture_output=True,
-        check=True,
-        timeout=60,
-    )
-    return np.frombuffer(out.stdout, "<f4")
 
 
 def probe_rate(data: bytes, fmt: str) -> int:
@@ -44,10 +34,6 @@ def probe_rate(data: bytes, fmt: str) -> int:
         timeout=60,
     )
     return int(json.loads(out.stdout)["streams"][0]["sample_rate"])
-
-
-def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(reference**2) / max(np.sum((reference - test) ** 2), 1e-12)))
 
 
 async def openai_stream(app: App, tmp_path: Path, fmt: str, **extra: Any) -> tuple[bytes, str]:

@@ -76,6 +76,7 @@ async def test_cache_hit_returns_identical_bytes_without_the_model(make_app: Any
     app = await make_app("--fake-step-ms", "20")
     engine = app.scheduler.engine
     assert isinstance(engine, FakeEngine)
+    await app.warmed_up.wait()  # warm-up steps after the first stream would count as model work
     request = {"text": "Cached sentence one. 第二句。", "seed": 5, "voice": "alto", "format": fmt}
     ws, _ = await open_client(app.port)
     await start(ws, id="a", **request)

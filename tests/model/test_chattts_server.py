@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+import chattts_stream_client as cs
 from server.app import App
 from server.config import load_settings
+from tests.integration.test_client_py import raw_stream
 from tests.integration.test_resume import broken_run, unbroken
+from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
 
 TEXT = "第一句话在这里。The second sentence is here. 第三句话结束了。"
@@ -110,3 +113,18 @@ def _tokens(app: App) -> int:
         if line.startswith("chattts_tokens_generated_total "):
             return int(float(line.split()[1]))
     raise AssertionError("no token counter")
+
+
+async def test_python_client_resumes_a_cut_model_stream_byte_for_byte(model_app: App) -> None:
+    expected, done = await raw_stream(model_app.port, text=TEXT, seed=5, format="mp3")
+    async with CuttableProxy(model_app.port) as proxy:
+        client = cs.Client(f"ws://127.0.0.1:{proxy.port}/v1/stream", read_timeout=120, max_queued_chunks=1)
+        async with client:
+            stream = client.speak(TEXT, seed=5, format="mp3")
+            got = []
+            async for chunk in stream:
+                got.append((chunk.seq, chunk.sample, chunk.last, chunk.data))
+                if len(got) == 1:
+                    proxy.cut()
+    assert got == expected and stream.done is not None and stream.done.samples == done["samples"]
+    assert proxy.cuts == 1 and stream.resumes <= 1
