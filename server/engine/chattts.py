@@ -5,12 +5,16 @@ tokens, quadratic re-decode with seams, one cursor and one interrupt flag for
 a whole batch), so this engine uses only ChatTTS's loaded modules (Llama,
 embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
-* per-sequence prefill inside :meth:`ChatTTSEngine.step`, then token blocks
-  over a batch whose rows are padded KV-cache rows that join and leave
-  between blocks (:mod:`server.engine.chattts_batch`);
-* per-sequence random generators, EOS (code 625 on any of the 4 streams)
-  and token limits;
-* incremental decode of only the new tokens (:mod:`server.engine.chattts_decode`).
+* per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
+  into the sequence's own KV slot (:mod:`server.engine.chattts_slots`);
+* token steps with static shapes over the slots (:mod:`server.engine.chattts_step`),
+  eagerly or as CUDA graphs (:mod:`server.engine.chattts_graphs`), with
+  counter-based random streams and sampling on the device
+  (:mod:`server.engine.chattts_batch`); one value comes back to the host per
+  token (whether any row still runs), one small summary per block;
+* incremental decode of only the new tokens, each row on its own block
+  schedule, all rows due in one batched Decoder + Vocos call
+  (:mod:`server.engine.chattts_decode`, :mod:`server.engine.chattts_vocode`).
 
 Only ``server/engine/chattts*.py`` import torch; this is one of them.
 """
@@ -20,14 +24,13 @@ from __future__ import annotations
 import gc
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
 
 from server.engine.base import (
     EngineError,
@@ -38,45 +41,26 @@ from server.engine.base import (
     SynthesisParams,
 )
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
-from server.engine.chattts_batch import (
-    PENALTY_WINDOW,
-    GrowLayer,
-    RowGroup,
-    RowSampling,
-    concat_groups,
-    empty_layers,
-    push_history,
-    sample_codes,
-)
-from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
+from server.engine.chattts_batch import stream_key
+from server.engine.chattts_decode import SAMPLES_PER_TOKEN, DecodeWindow, StreamDecoder, make_decode_fn
+from server.engine.chattts_graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
+from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
+from server.engine.chattts_slots import SlotKV, batch_buckets, bucket_for, length_buckets
+from server.engine.chattts_step import SlotState, TokenStep
+from server.engine.chattts_vocode import BatchVocoder
 from server.engine.chattts_voice import VoiceBank, speed_token
 from server.normalize import speakable
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WARMUP_ID = -(1 << 62)
 
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU; anything else as given."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """The Llama's dtype: ``"auto"`` → bf16 on CPU (≈2× faster there) and on GPUs with bf16, else fp16."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return torch.float16
-        return torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; not {dtype!r}")
-    return _DTYPES[dtype]
+#: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
+#: sequence accepted in one step (EOS excluded), on the CPU. Tests compare them with ChatTTS's own.
+TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: Builds the step runner around the static step (tests pass a recording one).
+RunnerFactory = Callable[[StepFn], StepRunner]
 
 
 @dataclass
@@ -85,19 +69,21 @@ class _Seq:
     input_ids: torch.Tensor
     text_mask: torch.Tensor
     speaker: torch.Tensor
-    generator: torch.Generator
+    key: tuple[int, int]
     decoder: StreamDecoder
     max_tokens: int
+    slot: int = -1  # -1 until prefilled
+    length: int = 0  # filled KV positions (host copy, refreshed every block)
     tokens: int = 0
-    blocks: int = 0
-    prefilled: bool = False
-    finished: bool = False
+    decodes: int = 0  # decode windows so far: the position in the block schedule
+    undecoded: int = 0  # tokens pushed since the last decode
 
 
 class ChatTTSEngine:
     """ChatTTS behind the :class:`server.engine.base.Engine` protocol.
 
     Build it with :meth:`load`. All methods run on the scheduler's one inference thread.
+    Options: :class:`server.engine.chattts_setup.EngineOptions`.
     """
 
     def __init__(
@@ -106,67 +92,120 @@ class ChatTTSEngine:
         *,
         device: torch.device,
         dtype: torch.dtype,
-        block_schedule: Sequence[int] = (8, 16, 32),
-        default_voice: str = "seed:2",
-        context_tokens: int = 16,
-        holdback_tokens: int = 4,
-        crossfade_samples: int = 256,
-        min_tokens: int = 1,
-        repetition_penalty: float = 1.05,
-        prefill_bucket: int = 16,
-        warmup_prompt_chars: int = 120,
+        step_runner: RunnerFactory | None = None,
+        **options: Unpack[EngineOptions],
     ) -> None:
-        if not block_schedule or min(block_schedule) < 1:
+        self.block_schedule = tuple(int(b) for b in options.get("block_schedule", (8, 16, 32)))
+        self.prefill_bucket = options.get("prefill_bucket", 16)
+        if not self.block_schedule or min(self.block_schedule) < 1:
             raise ValueError("block_schedule needs at least one positive block size")
-        if prefill_bucket < 1:
+        if self.prefill_bucket < 1:
             raise ValueError("prefill_bucket must be at least 1 (1: no padding)")
-        chat = loaded.chat
-        self._loaded = loaded
-        self._chat = chat
-        self.device = device
-        self.dtype = dtype
-        self.block_schedule = tuple(int(b) for b in block_schedule)
-        self.min_tokens = max(1, min_tokens)  # ChatTTS also never returns an empty sequence
-        self.repetition_penalty = repetition_penalty
-        self.prefill_bucket = prefill_bucket
-        self.warmup_prompt_chars = warmup_prompt_chars
+        chat = self._chat = loaded.chat
+        self._loaded, self.device, self.dtype = loaded, device, dtype
+        self.min_tokens = max(1, options.get("min_tokens", 1))  # ChatTTS never returns an empty sequence
+        self.warmup_prompt_chars = options.get("warmup_prompt_chars", 120)
         self._decode_opts = {
-            "context_tokens": context_tokens,
-            "holdback_tokens": holdback_tokens,
-            "crossfade_samples": crossfade_samples,
+            "context_tokens": options.get("context_tokens", 16),
+            "holdback_tokens": options.get("holdback_tokens", 4),
+            "crossfade_samples": options.get("crossfade_samples", 256),
         }
         self._llama = chat.gpt.gpt.to(dtype=dtype)
         cfg = self._llama.config
-        self._n_layers = int(cfg.num_hidden_layers)
-        self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self._max_positions = int(cfg.max_position_embeddings)
+        heads = int(cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
         embed = chat.embed
-        self.num_vq = int(embed.num_vq)
-        self.eos = int(embed.num_audio_tokens) - 1
+        self.num_vq, self.eos = int(embed.num_vq), int(embed.num_audio_tokens) - 1
         with torch.inference_mode():
             # Stacked once: weight_norm would recompute each head's weight on every call.
-            self._head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
-            self._code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
+            head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
+            code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
-        self.voices = VoiceBank(chat.speaker, self.hidden_size, default_voice=default_voice)
+        self._vocoder = BatchVocoder(chat.decoder, chat.vocos)
+        self.voices = VoiceBank(
+            chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
+        )
+        self.slots = options.get("max_batch", 16)
+        self.max_len = kv_length(
+            longest_prompt=self._prompt_tokens("字" * self.warmup_prompt_chars),
+            prefill_bucket=self.prefill_bucket,
+            segment_max_tokens=options.get("segment_max_tokens", 2048),
+            max_positions=int(cfg.max_position_embeddings),
+        )
+        self.batch_buckets = batch_buckets(self.slots)
+        self.length_buckets = length_buckets(self.max_len)
+        self._kv = SlotKV(
+            layers=int(cfg.num_hidden_layers),
+            slots=self.slots,
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            max_len=self.max_len,
+            head_dim=int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
+            dtype=dtype,
+            device=device,
+        )
+        self._state = SlotState.allocate(
+            slots=self.slots,
+            hidden_size=self.hidden_size,
+            num_vq=self.num_vq,
+            block=max(self.block_schedule),
+            max_len=self.max_len,
+            empty_code=self.eos + 1,
+            device=device,
+        )
+        self._token_step = TokenStep(
+            self._llama,
+            self._kv,
+            self._state,
+            head_w=head_w,
+            code_w=code_w,
+            eos=self.eos,
+            min_tokens=self.min_tokens,
+            repetition_penalty=options.get("repetition_penalty", 1.05),
+            dtype=dtype,
+        )
+        graphs = options.get("cuda_graphs", True) and device.type == "cuda"
+        if step_runner is not None:
+            self._runner: StepRunner = step_runner(self._token_step)
+        elif graphs:
+            self._runner = CudaGraphRunner(self._token_step, device)
+        else:
+            self._runner = EagerRunner(self._token_step)
+        self._prepared = False
         self._seqs: dict[int, _Seq] = {}
-        self._groups: list[RowGroup] = []
-        extra = {
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "model_dir": str(loaded.model_dir),
-            "random_weights": "true" if loaded.random_weights else "false",
-        }
+        #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
+        self.token_tap: TokenTap | None = None
         self._info = EngineInfo(
-            name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=extra
+            name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=self._extra()
+        )
+        log.info(
+            "KV cache: %d slots x %d positions = %.1f MiB (%s); token step: %s, batch buckets %s, %d lengths",
+            self.slots,
+            self.max_len,
+            self._kv.nbytes / 2**20,
+            str(dtype).removeprefix("torch."),
+            self._runner.kind,
+            ",".join(map(str, self.batch_buckets)),
+            len(self.length_buckets),
         )
         if loaded.random_weights:
             log.warning(
                 "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
                 loaded.model_dir,
             )
+
+    def _extra(self) -> dict[str, str]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "model_dir": str(self._loaded.model_dir),
+            "random_weights": "true" if self._loaded.random_weights else "false",
+            "kv_slots": str(self.slots),
+            "kv_max_len": str(self.max_len),
+            "kv_cache_bytes": str(self._kv.nbytes),
+            "token_step": self._runner.kind,
+            "batch_buckets": ",".join(map(str, self.batch_buckets)),
+            "length_buckets": ",".join(map(str, self.length_buckets)),
+        }
 
     @classmethod
     def load(
@@ -178,14 +217,7 @@ class ChatTTSEngine:
         num_threads: int | None = None,
         cache_dir: Path | None = None,
         download_timeout_s: float = 5.0,
-        block_schedule: Sequence[int] = (8, 16, 32),
-        default_voice: str = "seed:2",
-        context_tokens: int = 16,
-        holdback_tokens: int = 4,
-        crossfade_samples: int = 256,
-        min_tokens: int = 1,
-        prefill_bucket: int = 16,
-        warmup_prompt_chars: int = 120,
+        **options: Unpack[EngineOptions],
     ) -> ChatTTSEngine:
         """Load the weights and build the engine.
 
@@ -198,15 +230,7 @@ class ChatTTSEngine:
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.
             download_timeout_s: hub timeout; offline fails within about this long.
-            block_schedule: tokens per block for a sequence's 1st, 2nd, ... block (last repeats).
-            default_voice: what voice ``"default"`` is (``seed:N`` or a speaker string).
-            context_tokens: decode left context, tokens (see :mod:`server.engine.chattts_decode`).
-            holdback_tokens: audio held back at the right edge until more tokens exist.
-            crossfade_samples: crossfade between consecutive decode windows.
-            min_tokens: EOS is banned before this many tokens (benchmarks force lengths with it).
-            prefill_bucket: prompts are padded up to a multiple of this many tokens, so the
-                kernels see a few prefill shapes instead of one per prompt length (1: no padding).
-            warmup_prompt_chars: :meth:`warmup` prefills every bucket up to a prompt this long.
+            **options: see :class:`server.engine.chattts_setup.EngineOptions`.
 
         Raises:
             ModelUnavailableError: weights missing, hash mismatch, or hub unreachable.
@@ -217,19 +241,7 @@ class ChatTTSEngine:
         loaded = load_chat(
             model_dir=model_dir, device=dev, cache_dir=cache_dir, download_timeout_s=download_timeout_s
         )
-        return cls(
-            loaded,
-            device=dev,
-            dtype=resolve_dtype(dtype, dev),
-            block_schedule=block_schedule,
-            default_voice=default_voice,
-            context_tokens=context_tokens,
-            holdback_tokens=holdback_tokens,
-            crossfade_samples=crossfade_samples,
-            min_tokens=min_tokens,
-            prefill_bucket=prefill_bucket,
-            warmup_prompt_chars=warmup_prompt_chars,
-        )
+        return cls(loaded, device=dev, dtype=resolve_dtype(dtype, dev), **options)
 
     @property
     def info(self) -> EngineInfo:
@@ -246,6 +258,16 @@ class ChatTTSEngine:
         """Sequences holding state (tests assert that work is freed)."""
         return len(self._seqs)
 
+    @property
+    def free_slots(self) -> int:
+        """KV slots no sequence holds."""
+        return self._kv.free_slots
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the preallocated KV slots (known from start-up; exported as a metric)."""
+        return self._kv.nbytes
+
     def validate_voice(self, voice: str) -> bool:
         """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices."""
         return self.voices.resolve(voice) is not None
@@ -257,49 +279,42 @@ class ChatTTSEngine:
         )
         return decorated[0]
 
+    def _prompt_tokens(self, text: str) -> int:
+        ids = self._chat.tokenizer.encode([self.prompt_text(text, SynthesisParams())], self.num_vq)[0]
+        return int(ids.shape[1])
+
     def add(self, request: SequenceRequest) -> None:
         """Tokenize and register a sequence; its prefill runs inside the next step that names it."""
         if request.seq_id in self._seqs:
             raise EngineError(f"sequence {request.seq_id} already exists")
+        if len(self._seqs) >= self.slots:
+            raise EngineError(f"all {self.slots} KV slots are in use (--max-batch)")
         spk = self.voices.resolve(request.params.voice)
         if spk is None:
             raise EngineError(f"unknown voice {request.params.voice!r}")
         input_ids, _, text_mask = self._chat.tokenizer.encode(
             [self.prompt_text(request.text, request.params)], self.num_vq, device=self.device
         )
-        room = self._max_positions - int(input_ids.shape[1]) - 1
-        if room < 1:
-            raise EngineError(f"text too long: {input_ids.shape[1]} prompt tokens")
+        n = int(input_ids.shape[1])
+        if self.prefill_length(n) >= self.max_len:
+            raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
         seed = request.params.seed
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(
-            (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
-        )
+        seed = (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
         self._seqs[request.seq_id] = _Seq(
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
             speaker=spk,
-            generator=gen,
-            decoder=StreamDecoder(self._decode_fn, **self._decode_opts),
-            max_tokens=max(1, min(request.max_tokens, room)),
+            key=stream_key(seed),
+            decoder=StreamDecoder(None, **self._decode_opts),
+            max_tokens=max(1, min(request.max_tokens, self.max_len - n)),
         )
 
     def drop(self, seq_id: int) -> None:
-        """Forget a sequence and free its KV rows (no-op for unknown ids)."""
-        if self._seqs.pop(seq_id, None) is None:
-            return
-        self._remove_rows({seq_id})
-
-    def _remove_rows(self, gone: set[int]) -> None:
-        groups = []
-        for g in self._groups:
-            keep = [s for s in g.ids if s not in gone]
-            if len(keep) == len(g.ids):
-                groups.append(g)
-            elif keep:
-                groups.append(g.select(keep))
-        self._groups = groups
+        """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None and seq.slot >= 0:
+            self._kv.give_back(seq.slot)
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
         """Advance the given sequences by one token block each (prefilling new ones first)."""
@@ -310,184 +325,160 @@ class ChatTTSEngine:
             return []
         try:
             with torch.inference_mode():
-                return self._step(list(dict.fromkeys(seq_ids)))
+                return self._step([self._seqs[s] for s in dict.fromkeys(seq_ids)])
         except torch.cuda.OutOfMemoryError as exc:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.empty_cache()
             raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
+
+    def empty_cache(self) -> None:
+        """Return cached accelerator memory (the scheduler calls it after an OOM)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def prefill_length(self, prompt_tokens: int) -> int:
         """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
 
-        Never past the last position; never shorter than the prompt itself.
+        Never past the last position of a slot; never shorter than the prompt itself.
         """
-        bucket = self.prefill_bucket
-        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, self._max_positions - 1))
+        return max(prompt_tokens, min(round_up(prompt_tokens, self.prefill_bucket), self.max_len - 1))
 
-    def _prefill(self, seq: _Seq) -> RowGroup:
-        ids, mask = seq.input_ids, seq.text_mask
-        emb = self._chat.embed(ids, mask)
-        self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
-        layers, hidden = self._prefill_padded(emb)
-        seq.prefilled = True
-        return RowGroup(
-            ids=[seq.request.seq_id],
-            layers=layers,
-            pads=torch.zeros(1, dtype=torch.long, device=self.device),
-            hidden=hidden,
-            history=torch.full((1, self.num_vq, PENALTY_WINDOW), self.eos + 1, device=self.device),
+    def _prefill(self, seq: _Seq) -> None:
+        """Run the prompt into a free slot and give the slot its row of state."""
+        emb = self._chat.embed(seq.input_ids, seq.text_mask)
+        self._chat.speaker.apply(
+            emb, seq.speaker, seq.input_ids, self._chat.tokenizer.spk_emb_ids, self.device
         )
+        n = int(emb.shape[1])
+        slot = self._kv.take()
+        try:
+            hidden = self._token_step.prefill(self._pad_prompt(emb), slot, n)
+        except BaseException:
+            self._kv.give_back(slot)
+            raise
+        params = seq.request.params
+        self._state.join(
+            slot,
+            hidden=hidden,
+            length=n,
+            max_tokens=seq.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            key=seq.key,
+            empty_code=self.eos + 1,
+        )
+        seq.slot, seq.length = slot, n
 
-    def _prefill_padded(self, emb: torch.Tensor) -> tuple[list[GrowLayer], torch.Tensor]:
-        """Prefill ``(1, n, hidden)`` embeddings at their bucket's length; the KV cache keeps ``n``.
+    def _pad_prompt(self, emb: torch.Tensor) -> torch.Tensor:
+        """Right-pad ``(1, n, hidden)`` prompt embeddings to their bucket.
 
         Every distinct prefill length costs the CPU kernels (oneDNN primitives, allocator pools)
         memory that is never given back: one shape per prompt length made RSS climb by about
-        2 MiB per new length (120 lengths: +236 MiB on the tiny model,
-        ``bench/results/rss_shapes_tiny_cpu.md``). Padding on the *right* needs no attention
-        mask: attention is causal, so the real positions never see the pad, and the pad's cache
-        entries are cut off before the first generated token overwrites them.
+        2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
         """
         n = int(emb.shape[1])
         length = self.prefill_length(n)
-        if length > n:
-            emb = torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
-        layers = empty_layers(
-            self._n_layers,
-            1,
-            self._kv_heads,
-            self._head_dim,
-            length + self.block_schedule[0] + 8,
-            self.dtype,
-            self.device,
-        )
-        out = self._llama(
-            inputs_embeds=emb.to(self.dtype),
-            position_ids=torch.arange(length, device=self.device).unsqueeze(0),
-            past_key_values=Cache(layers=list(layers)),
-            use_cache=True,
-            cache_position=torch.arange(length, device=self.device),
-        )
-        for layer in layers:
-            layer.truncate(n)
-        return layers, out.last_hidden_state[:, n - 1].float()
+        if length == n:
+            return emb
+        return torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
 
-    def _assemble(self, ids: list[int]) -> RowGroup:
-        """One group holding exactly ``ids``; other rows stay parked in their groups."""
-        wanted = set(ids)
-        taken: list[RowGroup] = []
-        parked: list[RowGroup] = []
-        for g in self._groups:
-            inside = [s for s in g.ids if s in wanted]
-            if len(inside) == len(g.ids):
-                taken.append(g)
-            elif not inside:
-                parked.append(g)
-            else:
-                taken.append(g.select(inside))
-                parked.append(g.select([s for s in g.ids if s not in wanted]))
-        fresh = [self._prefill(self._seqs[s]) for s in ids if not self._seqs[s].prefilled]
-        active = concat_groups(taken + fresh, headroom=max(self.block_schedule) + 1)
-        self._groups = [*parked, active]
-        return active
+    def _target(self, seq: _Seq) -> int:
+        """Tokens between the sequence's previous decode and its next one (its own block schedule)."""
+        return self.block_schedule[min(seq.decodes, len(self.block_schedule) - 1)]
 
-    def _sampling(self, rows: list[_Seq]) -> RowSampling:
-        p = [s.request.params for s in rows]
-        dev = self.device
-        return RowSampling(
-            temperature=torch.tensor([max(1e-5, x.temperature) for x in p], device=dev),
-            top_p=torch.tensor([min(1.0, max(0.0, x.top_p)) for x in p], device=dev),
-            top_k=torch.tensor([max(1, x.top_k) for x in p], device=dev, dtype=torch.long),
-            suppress_eos=torch.tensor([s.tokens < self.min_tokens for s in rows], device=dev),
-        )
-
-    def _step(self, ids: list[int]) -> list[StepResult]:
-        group = self._assemble(ids)
-        rows = [self._seqs[s] for s in group.ids]
-        block = min(self.block_schedule[min(s.blocks, len(self.block_schedule) - 1)] for s in rows)
-        produced = [0] * len(rows)
-        pending: list[list[torch.Tensor]] = [[] for _ in rows]
-        for _ in range(block):
-            if all(s.finished for s in rows):
+    def _step(self, rows: list[_Seq]) -> list[StepResult]:
+        for seq in rows:
+            if seq.slot < 0:
+                self._prefill(seq)
+        block = min(self._target(s) - s.undecoded for s in rows)
+        batch = bucket_for(self.batch_buckets, max(s.slot for s in rows) + 1)
+        self._state.begin_block([s.slot for s in rows])
+        longest = max(s.length for s in rows)
+        for t in range(block):
+            self._runner.run(batch, bucket_for(self.length_buckets, min(longest + t + 1, self.max_len)))
+            if not bool(self._state.any_alive):  # the one device→host read per token
                 break
-            logits = torch.einsum("bh,qvh->bqv", group.hidden, self._head_w)
-            uniforms = torch.stack([torch.rand(self.num_vq, generator=s.generator) for s in rows]).to(
-                self.device
-            )
-            codes = sample_codes(
-                logits,
-                group.history,
-                self._sampling(rows),
-                uniforms,
-                eos=self.eos,
-                repetition_penalty=self.repetition_penalty,
-            )
-            codes_cpu = codes.cpu()
-            ended = codes_cpu.eq(self.eos).any(dim=1).tolist()
-            keep = [not s.finished and not e for s, e in zip(rows, ended, strict=True)]
-            alive = [k and s.tokens + 1 < s.max_tokens for s, k in zip(rows, keep, strict=True)]
-            new_hidden = self._forward_codes(group, codes) if any(alive) else group.hidden
-            # Commit only after the forward succeeded, so an OOM leaves every row consistent.
-            for i, s in enumerate(rows):
-                if s.finished:
-                    continue
-                if keep[i]:
-                    pending[i].append(group.hidden[i : i + 1])
-                    s.tokens += 1
-                    produced[i] += 1
-                s.finished = not alive[i]
-            group.history = push_history(group.history, codes)
-            group.hidden = new_hidden
+        return self._end_block(rows, batch)
+
+    def _end_block(self, rows: list[_Seq], batch: int) -> list[StepResult]:
+        """Read the block's summary once, decode every row that is due in one call, free ended rows."""
+        st = self._state
+        produced, alive, lengths = torch.stack(
+            [st.produced[:batch], st.stepping[:batch], st.lengths[:batch]]
+        ).tolist()
+        windows: list[tuple[_Seq, DecodeWindow]] = []
+        counts = []
+        for seq in rows:
+            k, seq.length, finished = produced[seq.slot], lengths[seq.slot], not alive[seq.slot]
+            counts.append((k, finished))
+            seq.tokens += k
+            seq.undecoded += k
+            if k:
+                seq.decoder.push(st.pending_hidden[seq.slot, :k].clone())
+                if self.token_tap is not None:
+                    self.token_tap(
+                        seq.request.seq_id,
+                        st.pending_codes[seq.slot, :k].cpu(),
+                        st.pending_hidden[seq.slot, :k].cpu(),
+                    )
+            if finished or seq.undecoded >= self._target(seq):
+                seq.decodes += 1
+                seq.undecoded = 0
+                window = seq.decoder.plan(final=finished)
+                if window is not None:
+                    windows.append((seq, window))
+        audio = self._decode(windows)
         results = []
-        for i, s in enumerate(rows):
-            s.blocks += 1
-            if pending[i]:
-                s.decoder.push(torch.cat(pending[i]))
-            audio = s.decoder.pull(final=s.finished)
+        for seq, (k, finished) in zip(rows, counts, strict=True):
             results.append(
-                StepResult(seq_id=s.request.seq_id, audio=audio, tokens=produced[i], finished=s.finished)
+                StepResult(
+                    seq_id=seq.request.seq_id,
+                    audio=audio.get(seq.request.seq_id, np.zeros(0, dtype=np.float32)),
+                    tokens=k,
+                    finished=finished,
+                )
             )
-        done = {s.request.seq_id for s in rows if s.finished}
-        for seq_id in done:
-            del self._seqs[seq_id]
-        if done:
-            self._remove_rows(done)
+            if finished:
+                self.drop(seq.request.seq_id)
         return results
 
-    def _forward_codes(self, group: RowGroup, codes: torch.Tensor) -> torch.Tensor:
-        """Feed one code vector per row; returns the new last hidden states (float32)."""
-        emb = self._code_w[torch.arange(self.num_vq, device=self.device), codes].sum(dim=1)
-        before = group.length
-        try:
-            out = self._llama(
-                inputs_embeds=emb.unsqueeze(1).to(self.dtype),
-                attention_mask=group.attention_mask(1),
-                position_ids=group.positions(1),
-                past_key_values=group.cache(),
-                use_cache=True,
-                cache_position=torch.arange(before, before + 1, device=self.device),
-            )
-        except BaseException:
-            for layer in group.layers:  # undo partial appends of a failed forward
-                layer.truncate(before)
-            raise
-        hidden: torch.Tensor = out.last_hidden_state[:, -1].float()
-        return hidden
+    def _decode(
+        self, windows: list[tuple[_Seq, DecodeWindow]]
+    ) -> dict[int, np.ndarray[Any, np.dtype[np.float32]]]:
+        if not windows:
+            return {}
+        wavs = self._vocoder.decode([w.hiddens for _, w in windows])
+        return {
+            seq.request.seq_id: seq.decoder.finish(w, wav)
+            for (seq, w), wav in zip(windows, wavs, strict=True)
+        }
 
     def decode_tokens(self, hiddens: torch.Tensor) -> np.ndarray[Any, np.dtype[np.float32]]:
         """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with)."""
         with torch.inference_mode():
             return self._decode_fn(hiddens)
 
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, attention length) a token step can run at: the closed bucket set."""
+        return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
+
     def warmup(self) -> None:
         """Meet every shape serving will meet before the first request does.
 
-        Prefills every bucket up to the longest expected prompt, then runs one short sequence
-        through every block size (allocations, kernels, numba).
+        The first call prefills every prompt bucket up to the longest expected prompt and runs
+        (on CUDA: captures) the token step at every (batch, length) bucket; every call then
+        runs one short sequence through every block size (allocations, kernels, numba).
         """
-        # Without buckets (1) every length is its own shape: too many to warm, so none are.
-        if self.prefill_bucket > 1:
-            self._warm_prefill_buckets()
+        if not self._prepared:
+            with torch.inference_mode():
+                # Without buckets (1) every length is its own shape: too many to warm, so none are.
+                if self.prefill_bucket > 1:
+                    self._warm_prefill_buckets()
+                self._runner.prepare(self.step_shapes())
+            self._prepared = True
+        if self._kv.free_slots == 0:
+            log.warning("warm-up skipped its test sequence: every KV slot is in use")
+            return
         tokens = sum(self.block_schedule) + 1
         request = SequenceRequest(
             seq_id=_WARMUP_ID, text="warm up", params=SynthesisParams(seed=0), max_tokens=tokens
@@ -500,30 +491,26 @@ class ChatTTSEngine:
             self.drop(_WARMUP_ID)
 
     def _warm_prefill_buckets(self) -> None:
-        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's."""
-        with torch.inference_mode():
-            longest = self._chat.tokenizer.encode(
-                [self.prompt_text("字" * self.warmup_prompt_chars, SynthesisParams())],
-                self.num_vq,
-                device=self.device,
-            )[0].shape[1]
-            for length in range(
-                self.prefill_bucket, self.prefill_length(int(longest)) + 1, self.prefill_bucket
-            ):
-                self._prefill_padded(torch.zeros((1, length, self.hidden_size), device=self.device))
+        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's (into a free slot)."""
+        longest = self._prompt_tokens("字" * self.warmup_prompt_chars)
+        slot = self._kv.take()
+        try:
+            for length in range(self.prefill_bucket, self.prefill_length(longest) + 1, self.prefill_bucket):
+                emb = torch.zeros((1, length, self.hidden_size), device=self.device)
+                self._token_step.prefill(emb, slot, length)
+        finally:
+            self._kv.give_back(slot)
 
     def memory_allocated(self) -> int:
         """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
         return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
 
     def close(self) -> None:
-        """Release every sequence and the model."""
+        """Release every sequence, the KV slots, the captured graphs and the model."""
         self._seqs.clear()
-        self._groups.clear()
         for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
             if hasattr(self._chat, name):
                 delattr(self._chat, name)
-        del self._llama, self._head_w, self._code_w
+        del self._llama, self._token_step, self._runner, self._kv, self._state
         gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.empty_cache()

@@ -42,7 +42,7 @@ def test_three_sentences_audio_length_matches_tokens(tiny_engine: Any) -> None:
         assert len(c.samples) == samples_for_tokens(c.tokens) == 512 * c.tokens - 256
         assert np.isfinite(c.samples).all()
     assert tiny_engine.live_sequences == 0
-    assert tiny_engine._groups == []
+    assert tiny_engine.free_slots == tiny_engine.slots
 
 
 def test_first_block_is_small_and_yields_audio(tiny_engine: Any) -> None:
@@ -115,9 +115,9 @@ def test_drop_mid_stream_frees_state(tiny_engine: Any) -> None:
     tiny_engine.drop(600)
     tiny_engine.drop(600)  # unknown now: no-op
     assert tiny_engine.live_sequences == 1
-    assert [g.ids for g in tiny_engine._groups] == [[601]]
+    assert tiny_engine.free_slots == tiny_engine.slots - 1
     tiny_engine.drop(601)
-    assert tiny_engine._groups == []
+    assert tiny_engine.free_slots == tiny_engine.slots
 
 
 @pytest.mark.parametrize(
@@ -189,12 +189,12 @@ def _prefill_lengths(engine: Any) -> tuple[list[int], Any]:
     """Record the sequence length of every multi-token Llama forward (the prefills)."""
     seen: list[int] = []
 
-    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        length = int(kwargs["inputs_embeds"].shape[1])
+    def hook(module: Any, args: Any) -> None:
+        length = int(args[0].shape[1])
         if length > 1:
             seen.append(length)
 
-    return seen, engine._llama.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen, engine._llama.layers[0].register_forward_pre_hook(hook)
 
 
 def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) -> None:
@@ -206,7 +206,12 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
     from server.engine.chattts import ChatTTSEngine
 
     engine = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=16, warmup_prompt_chars=60
+        model_dir=tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        prefill_bucket=16,
+        warmup_prompt_chars=60,
+        max_batch=32,
     )
     seen, handle = _prefill_lengths(engine)
     try:
