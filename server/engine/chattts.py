@@ -24,8 +24,6 @@ from __future__ import annotations
 import gc
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -42,11 +40,9 @@ from server.engine.base import (
 )
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
 from server.engine.chattts_batch import stream_key
-from server.engine.chattts_decode import SAMPLES_PER_TOKEN, DecodeWindow, StreamDecoder, make_decode_fn
-from server.engine.chattts_graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
+from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, SlotLayout, TokenTap
+from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
 from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
-from server.engine.chattts_slots import SlotKV, batch_buckets, bucket_for, length_buckets
-from server.engine.chattts_step import SlotState, TokenStep
 from server.engine.chattts_vocode import BatchVocoder
 from server.engine.chattts_voice import VoiceBank, speed_token
 from server.normalize import speakable
@@ -55,28 +51,6 @@ __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_
 
 log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
-
-#: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
-#: sequence accepted in one step (EOS excluded), on the CPU. Tests compare them with ChatTTS's own.
-TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
-#: Builds the step runner around the static step (tests pass a recording one).
-RunnerFactory = Callable[[StepFn], StepRunner]
-
-
-@dataclass
-class _Seq:
-    request: SequenceRequest
-    input_ids: torch.Tensor
-    text_mask: torch.Tensor
-    speaker: torch.Tensor
-    key: tuple[int, int]
-    decoder: StreamDecoder
-    max_tokens: int
-    slot: int = -1  # -1 until prefilled
-    length: int = 0  # filled KV positions (host copy, refreshed every block)
-    tokens: int = 0
-    decodes: int = 0  # decode windows so far: the position in the block schedule
-    undecoded: int = 0  # tokens pushed since the last decode
 
 
 class ChatTTSEngine:
@@ -121,7 +95,6 @@ class ChatTTSEngine:
             head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
             code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
-        self._vocoder = BatchVocoder(chat.decoder, chat.vocos)
         self.voices = VoiceBank(
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
@@ -132,46 +105,31 @@ class ChatTTSEngine:
             segment_max_tokens=options.get("segment_max_tokens", 2048),
             max_positions=int(cfg.max_position_embeddings),
         )
-        self.batch_buckets = batch_buckets(self.slots)
-        self.length_buckets = length_buckets(self.max_len)
-        self._kv = SlotKV(
-            layers=int(cfg.num_hidden_layers),
-            slots=self.slots,
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            max_len=self.max_len,
-            head_dim=int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
-            dtype=dtype,
-            device=device,
-        )
-        self._state = SlotState.allocate(
-            slots=self.slots,
-            hidden_size=self.hidden_size,
-            num_vq=self.num_vq,
-            block=max(self.block_schedule),
-            max_len=self.max_len,
-            empty_code=self.eos + 1,
-            device=device,
-        )
-        self._token_step = TokenStep(
+        self._batch = SlotBatch(
             self._llama,
-            self._kv,
-            self._state,
+            SlotLayout(
+                layers=int(cfg.num_hidden_layers),
+                kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+                head_dim=int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
+                hidden_size=self.hidden_size,
+                num_vq=self.num_vq,
+                slots=self.slots,
+                max_len=self.max_len,
+                block_schedule=self.block_schedule,
+                eos=self.eos,
+            ),
             head_w=head_w,
             code_w=code_w,
-            eos=self.eos,
+            vocoder=BatchVocoder(chat.decoder, chat.vocos),
+            dtype=dtype,
+            device=device,
             min_tokens=self.min_tokens,
             repetition_penalty=options.get("repetition_penalty", 1.05),
-            dtype=dtype,
+            cuda_graphs=options.get("cuda_graphs", True),
+            step_runner=step_runner,
         )
-        graphs = options.get("cuda_graphs", True) and device.type == "cuda"
-        if step_runner is not None:
-            self._runner: StepRunner = step_runner(self._token_step)
-        elif graphs:
-            self._runner = CudaGraphRunner(self._token_step, device)
-        else:
-            self._runner = EagerRunner(self._token_step)
         self._prepared = False
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
         self._info = EngineInfo(
@@ -181,11 +139,11 @@ class ChatTTSEngine:
             "KV cache: %d slots x %d positions = %.1f MiB (%s); token step: %s, batch buckets %s, %d lengths",
             self.slots,
             self.max_len,
-            self._kv.nbytes / 2**20,
+            self.kv_cache_bytes / 2**20,
             str(dtype).removeprefix("torch."),
-            self._runner.kind,
-            ",".join(map(str, self.batch_buckets)),
-            len(self.length_buckets),
+            self._batch.runner.kind,
+            ",".join(map(str, self._batch.batch_buckets)),
+            len(self._batch.length_buckets),
         )
         if loaded.random_weights:
             log.warning(
@@ -201,10 +159,10 @@ class ChatTTSEngine:
             "random_weights": "true" if self._loaded.random_weights else "false",
             "kv_slots": str(self.slots),
             "kv_max_len": str(self.max_len),
-            "kv_cache_bytes": str(self._kv.nbytes),
-            "token_step": self._runner.kind,
-            "batch_buckets": ",".join(map(str, self.batch_buckets)),
-            "length_buckets": ",".join(map(str, self.length_buckets)),
+            "kv_cache_bytes": str(self.kv_cache_bytes),
+            "token_step": self._batch.runner.kind,
+            "batch_buckets": ",".join(map(str, self._batch.batch_buckets)),
+            "length_buckets": ",".join(map(str, self._batch.length_buckets)),
         }
 
     @classmethod
@@ -261,12 +219,12 @@ class ChatTTSEngine:
     @property
     def free_slots(self) -> int:
         """KV slots no sequence holds."""
-        return self._kv.free_slots
+        return self._batch.kv.free_slots
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the preallocated KV slots (known from start-up; exported as a metric)."""
-        return self._kv.nbytes
+        return self._batch.kv.nbytes
 
     def validate_voice(self, voice: str) -> bool:
         """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices."""
@@ -300,7 +258,7 @@ class ChatTTSEngine:
             raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
         seed = request.params.seed
         seed = (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
-        self._seqs[request.seq_id] = _Seq(
+        self._seqs[request.seq_id] = Row(
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
@@ -312,9 +270,9 @@ class ChatTTSEngine:
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None and seq.slot >= 0:
-            self._kv.give_back(seq.slot)
+        row = self._seqs.pop(seq_id, None)
+        if row is not None:
+            self._batch.release(row)
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
         """Advance the given sequences by one token block each (prefilling new ones first)."""
@@ -342,32 +300,12 @@ class ChatTTSEngine:
         """
         return max(prompt_tokens, min(round_up(prompt_tokens, self.prefill_bucket), self.max_len - 1))
 
-    def _prefill(self, seq: _Seq) -> None:
-        """Run the prompt into a free slot and give the slot its row of state."""
-        emb = self._chat.embed(seq.input_ids, seq.text_mask)
-        self._chat.speaker.apply(
-            emb, seq.speaker, seq.input_ids, self._chat.tokenizer.spk_emb_ids, self.device
-        )
-        n = int(emb.shape[1])
-        slot = self._kv.take()
-        try:
-            hidden = self._token_step.prefill(self._pad_prompt(emb), slot, n)
-        except BaseException:
-            self._kv.give_back(slot)
-            raise
-        params = seq.request.params
-        self._state.join(
-            slot,
-            hidden=hidden,
-            length=n,
-            max_tokens=seq.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            key=seq.key,
-            empty_code=self.eos + 1,
-        )
-        seq.slot, seq.length = slot, n
+    def _prefill(self, row: Row) -> None:
+        """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
+        emb = self._chat.embed(row.input_ids, row.text_mask)
+        spk_ids = self._chat.tokenizer.spk_emb_ids
+        self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
+        self._batch.prefill(row, self._pad_prompt(emb), int(emb.shape[1]))
 
     def _pad_prompt(self, emb: torch.Tensor) -> torch.Tensor:
         """Right-pad ``(1, n, hidden)`` prompt embeddings to their bucket.
@@ -382,76 +320,15 @@ class ChatTTSEngine:
             return emb
         return torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
 
-    def _target(self, seq: _Seq) -> int:
-        """Tokens between the sequence's previous decode and its next one (its own block schedule)."""
-        return self.block_schedule[min(seq.decodes, len(self.block_schedule) - 1)]
-
-    def _step(self, rows: list[_Seq]) -> list[StepResult]:
-        for seq in rows:
-            if seq.slot < 0:
-                self._prefill(seq)
-        block = min(self._target(s) - s.undecoded for s in rows)
-        batch = bucket_for(self.batch_buckets, max(s.slot for s in rows) + 1)
-        self._state.begin_block([s.slot for s in rows])
-        longest = max(s.length for s in rows)
-        for t in range(block):
-            self._runner.run(batch, bucket_for(self.length_buckets, min(longest + t + 1, self.max_len)))
-            if not bool(self._state.any_alive):  # the one device→host read per token
-                break
-        return self._end_block(rows, batch)
-
-    def _end_block(self, rows: list[_Seq], batch: int) -> list[StepResult]:
-        """Read the block's summary once, decode every row that is due in one call, free ended rows."""
-        st = self._state
-        produced, alive, lengths = torch.stack(
-            [st.produced[:batch], st.stepping[:batch], st.lengths[:batch]]
-        ).tolist()
-        windows: list[tuple[_Seq, DecodeWindow]] = []
-        counts = []
-        for seq in rows:
-            k, seq.length, finished = produced[seq.slot], lengths[seq.slot], not alive[seq.slot]
-            counts.append((k, finished))
-            seq.tokens += k
-            seq.undecoded += k
-            if k:
-                seq.decoder.push(st.pending_hidden[seq.slot, :k].clone())
-                if self.token_tap is not None:
-                    self.token_tap(
-                        seq.request.seq_id,
-                        st.pending_codes[seq.slot, :k].cpu(),
-                        st.pending_hidden[seq.slot, :k].cpu(),
-                    )
-            if finished or seq.undecoded >= self._target(seq):
-                seq.decodes += 1
-                seq.undecoded = 0
-                window = seq.decoder.plan(final=finished)
-                if window is not None:
-                    windows.append((seq, window))
-        audio = self._decode(windows)
-        results = []
-        for seq, (k, finished) in zip(rows, counts, strict=True):
-            results.append(
-                StepResult(
-                    seq_id=seq.request.seq_id,
-                    audio=audio.get(seq.request.seq_id, np.zeros(0, dtype=np.float32)),
-                    tokens=k,
-                    finished=finished,
-                )
-            )
-            if finished:
-                self.drop(seq.request.seq_id)
+    def _step(self, rows: list[Row]) -> list[StepResult]:
+        for row in rows:
+            if row.slot < 0:
+                self._prefill(row)
+        results = self._batch.run(rows, self.token_tap)
+        for result in results:
+            if result.finished:
+                self.drop(result.seq_id)
         return results
-
-    def _decode(
-        self, windows: list[tuple[_Seq, DecodeWindow]]
-    ) -> dict[int, np.ndarray[Any, np.dtype[np.float32]]]:
-        if not windows:
-            return {}
-        wavs = self._vocoder.decode([w.hiddens for _, w in windows])
-        return {
-            seq.request.seq_id: seq.decoder.finish(w, wav)
-            for (seq, w), wav in zip(windows, wavs, strict=True)
-        }
 
     def decode_tokens(self, hiddens: torch.Tensor) -> np.ndarray[Any, np.dtype[np.float32]]:
         """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with)."""
@@ -460,7 +337,7 @@ class ChatTTSEngine:
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""
-        return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
+        return self._batch.shapes()
 
     def warmup(self) -> None:
         """Meet every shape serving will meet before the first request does.
@@ -474,9 +351,9 @@ class ChatTTSEngine:
                 # Without buckets (1) every length is its own shape: too many to warm, so none are.
                 if self.prefill_bucket > 1:
                     self._warm_prefill_buckets()
-                self._runner.prepare(self.step_shapes())
+                self._batch.runner.prepare(self.step_shapes())
             self._prepared = True
-        if self._kv.free_slots == 0:
+        if self.free_slots == 0:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
             return
         tokens = sum(self.block_schedule) + 1
@@ -491,15 +368,9 @@ class ChatTTSEngine:
             self.drop(_WARMUP_ID)
 
     def _warm_prefill_buckets(self) -> None:
-        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's (into a free slot)."""
-        longest = self._prompt_tokens("字" * self.warmup_prompt_chars)
-        slot = self._kv.take()
-        try:
-            for length in range(self.prefill_bucket, self.prefill_length(longest) + 1, self.prefill_bucket):
-                emb = torch.zeros((1, length, self.hidden_size), device=self.device)
-                self._token_step.prefill(emb, slot, length)
-        finally:
-            self._kv.give_back(slot)
+        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's."""
+        longest = self.prefill_length(self._prompt_tokens("字" * self.warmup_prompt_chars))
+        self._batch.warm_prefill(range(self.prefill_bucket, longest + 1, self.prefill_bucket), self.device)
 
     def memory_allocated(self) -> int:
         """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
@@ -511,6 +382,6 @@ class ChatTTSEngine:
         for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
             if hasattr(self._chat, name):
                 delattr(self._chat, name)
-        del self._llama, self._token_step, self._runner, self._kv, self._state
+        del self._llama, self._batch
         gc.collect()
         self.empty_cache()
