@@ -225,9 +225,9 @@ class SlotBatch:
             row.undecoded += k
             if k:
                 row.decoder.push(st.pending_hidden[row.slot, :k].clone())
-                if token_tap is not None:
-                    codes = st.pending_codes[row.slot, :k].cpu()
-                    token_tap(row.request.seq_id, codes, st.pending_hidden[row.slot, :k].cpu())
+                if token_tap is not None:  # copies: the buffers are reused by the next block
+                    codes = st.pending_codes[row.slot, :k].to("cpu", copy=True)
+                    token_tap(row.request.seq_id, codes, st.pending_hidden[row.slot, :k].to("cpu", copy=True))
             finished = not alive[row.slot]
             if finished or row.undecoded >= self._target(row):
                 row.decodes += 1
