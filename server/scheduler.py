@@ -248,6 +248,7 @@ class Scheduler:
         try:
             self._engine = self._engine_factory()
             self.engine_info_voices = self._engine.info.voices
+            self._metrics.kv_cache_bytes.set(int(self._engine.info.extra.get("kv_cache_bytes", 0)))
         except BaseException as exc:  # reported to start()'s caller
             self.startup_error = exc
             loaded.set()

@@ -99,10 +99,11 @@ class ChatTTSEngine:
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
         self.slots = options.get("max_batch", 16)
+        self.segment_max_tokens = options.get("segment_max_tokens", 2048)
         self.max_len = kv_length(
             longest_prompt=self._prompt_tokens("字" * self.warmup_prompt_chars),
             prefill_bucket=self.prefill_bucket,
-            segment_max_tokens=options.get("segment_max_tokens", 2048),
+            segment_max_tokens=self.segment_max_tokens,
             max_positions=int(cfg.max_position_embeddings),
         )
         self._batch = SlotBatch(
@@ -265,7 +266,7 @@ class ChatTTSEngine:
             speaker=spk,
             key=stream_key(seed),
             decoder=StreamDecoder(None, **self._decode_opts),
-            max_tokens=max(1, min(request.max_tokens, self.max_len - n)),
+            max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
         )
 
     def drop(self, seq_id: int) -> None:

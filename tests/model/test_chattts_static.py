@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.base import SequenceRequest, SynthesisParams
+from server.engine.base import EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import run_to_end
 from tests.model.reference import HostReads, RecordingRunner, plain_generation
 
@@ -216,3 +216,17 @@ def test_join_and_leave_never_copy_other_rows_kv(engine: Any) -> None:
     assert engine._seqs[2000].slot == slot
     engine.drop(2000)
     assert engine.free_slots == engine.slots
+
+
+def test_segment_max_tokens_caps_sequences_and_sizes_the_slots(tiny_model_dir: Path) -> None:
+    from server.engine.chattts import ChatTTSEngine
+
+    options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100}
+    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", **options)
+    try:
+        assert eng.max_len == eng.prefill_length(eng._prompt_tokens("字" * 120)) + 12
+        assert run_to_end(eng, [req(1, "forced", max_tokens=500)])[1].tokens == 12
+        with pytest.raises(EngineError, match="too long"):
+            eng.add(req(2, "字" * 200))
+    finally:
+        eng.close()
