@@ -32,7 +32,7 @@ import torch
 from server.engine.base import SequenceRequest, StepResult
 from server.engine.chattts_decode import DecodeWindow, StreamDecoder
 from server.engine.chattts_graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
-from server.engine.chattts_slots import SlotKV, batch_buckets, bucket_for, length_buckets
+from server.engine.chattts_slots import LENGTH_STEP, SlotKV, batch_buckets, bucket_for, length_buckets
 from server.engine.chattts_step import SlotState, TokenStep
 from server.engine.chattts_vocode import BatchVocoder
 
@@ -116,7 +116,9 @@ class SlotBatch:
     ) -> None:
         self.layout = layout
         self.batch_buckets = batch_buckets(layout.slots)
-        self.length_buckets = length_buckets(layout.max_len)
+        self.length_buckets = length_buckets(
+            layout.max_len, LENGTH_STEP.get(device.type, LENGTH_STEP["cuda"])
+        )
         self.kv = SlotKV(
             layers=layout.layers,
             slots=layout.slots,

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-#: Attention lengths up to this many positions double (64, 128, ...); above it they grow by it.
-LENGTH_STEP = 256
+#: Attention lengths double up to the step (16, 32, ...) and then grow by it: finer on the CPU,
+#: where attending over padding costs memory bandwidth, coarser on CUDA, where each length is
+#: one more captured graph per batch size.
+LENGTH_STEP = {"cpu": 64, "cuda": 128}
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -42,10 +44,10 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return (*sizes, max_batch)
 
 
-def length_buckets(max_len: int, step: int = LENGTH_STEP) -> tuple[int, ...]:
-    """Attention lengths a step runs at: 64, 128, ... to ``step``, then multiples of it, and ``max_len``."""
+def length_buckets(max_len: int, step: int) -> tuple[int, ...]:
+    """Attention lengths a step runs at: 16, 32, ... to ``step``, then multiples of it, and ``max_len``."""
     sizes = []
-    n = min(64, step)
+    n = min(16, step)
     while n < step and n < max_len:
         sizes.append(n)
         n *= 2

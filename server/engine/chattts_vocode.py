@@ -47,7 +47,7 @@ class BatchVocoder:
         token_multiple: windows are padded up to a multiple of this many tokens.
     """
 
-    def __init__(self, decoder: torch.nn.Module, vocos: Any, *, token_multiple: int = 8) -> None:
+    def __init__(self, decoder: torch.nn.Module, vocos: Any, *, token_multiple: int = 4) -> None:
         istft = vocos.head.istft
         if getattr(istft, "padding", "center") != "center":
             raise ValueError("BatchVocoder needs Vocos's ISTFT head with center padding (ChatTTS's)")

@@ -21,10 +21,11 @@ def test_batch_buckets_are_powers_of_two_then_the_limit() -> None:
 
 
 def test_length_buckets_double_then_step_and_end_at_the_slot_length() -> None:
-    assert length_buckets(2200) == (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2200)
-    assert length_buckets(100) == (64, 100)
-    assert length_buckets(256) == (64, 128, 256)
-    assert length_buckets(40) == (40,)
+    assert length_buckets(2200, 256) == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2200)
+    assert length_buckets(300, 64) == (16, 32, 64, 128, 192, 256, 300)
+    assert length_buckets(100, 256) == (16, 32, 64, 100)
+    assert length_buckets(256, 128) == (16, 32, 64, 128, 256)
+    assert length_buckets(10, 64) == (10,)
 
 
 def test_bucket_for_picks_the_smallest_that_holds() -> None:
