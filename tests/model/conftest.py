@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.model.helpers import TEST_DEVICE
+
 pytest.importorskip("ChatTTS")
 
 
@@ -94,7 +96,7 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
     from server.engine.chattts import ChatTTSEngine
 
     with network_refused():
-        engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32")
+        engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32")
         engine.warmup()
     yield engine
     engine.close()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from server.engine.base import SequenceRequest
+
+#: Where engine tests run the model: ``cpu`` (CI), or ``cuda`` (``python -m bench.gpu`` sets it).
+TEST_DEVICE = os.environ.get("CHATTTS_TEST_DEVICE", "cpu")
 
 
 @dataclass

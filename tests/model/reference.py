@@ -36,15 +36,16 @@ def plain_generation(engine: Any, request: SequenceRequest) -> tuple[torch.Tenso
     )
     speaker = engine.voices.resolve(params.voice)
     assert params.seed is not None
-    k0, k1 = (torch.tensor([k]) for k in stream_key(params.seed + request.seed_offset))
-    streams = torch.arange(engine.num_vq)
-    max_tokens = min(request.max_tokens, engine.max_len - int(ids.shape[1]))
-    history = torch.full((1, engine.num_vq, PENALTY_WINDOW), engine.eos + 1)
+    dev = engine.device
+    k0, k1 = (torch.tensor([k], device=dev) for k in stream_key(params.seed + request.seed_offset))
+    streams = torch.arange(engine.num_vq, device=dev)
+    max_tokens = min(request.max_tokens, engine.segment_max_tokens, engine.max_len - int(ids.shape[1]))
+    history = torch.full((1, engine.num_vq, PENALTY_WINDOW), engine.eos + 1, device=dev)
     sampling = RowSampling(
-        temperature=torch.tensor([params.temperature]),
-        top_p=torch.tensor([params.top_p]),
-        top_k=torch.tensor([params.top_k]),
-        suppress_eos=torch.tensor([False]),
+        temperature=torch.tensor([params.temperature], device=dev),
+        top_p=torch.tensor([params.top_p], device=dev),
+        top_k=torch.tensor([params.top_k], device=dev),
+        suppress_eos=torch.tensor([False], device=dev),
     )
     codes_out, hiddens_out = [], []
     with torch.inference_mode():
@@ -54,10 +55,9 @@ def plain_generation(engine: Any, request: SequenceRequest) -> tuple[torch.Tenso
         for i in range(max_tokens):
             hidden = out.last_hidden_state[:, -1].float()
             logits = torch.einsum("bh,qvh->bqv", hidden, step.head_w)
-            ban = RowSampling(
-                sampling.temperature, sampling.top_p, sampling.top_k, torch.tensor([i < engine.min_tokens])
-            )
-            u = counter_uniforms(k0, k1, torch.tensor([i]), streams)
+            early = torch.tensor([i < engine.min_tokens], device=dev)
+            ban = RowSampling(sampling.temperature, sampling.top_p, sampling.top_k, early)
+            u = counter_uniforms(k0, k1, torch.tensor([i], device=dev), streams)
             codes = sample_codes(
                 logits, history, ban, u, eos=engine.eos, repetition_penalty=step.repetition_penalty
             )

@@ -10,7 +10,7 @@ import torch
 
 from server.engine.base import Engine, EngineError, SequenceRequest, SynthesisParams
 from server.engine.chattts_decode import StreamDecoder, samples_for_tokens
-from tests.model.helpers import run_to_end
+from tests.model.helpers import TEST_DEVICE, run_to_end
 
 pytestmark = pytest.mark.model
 
@@ -175,7 +175,7 @@ def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: py
 def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
     from server.engine.chattts import ChatTTSEngine
 
-    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="bfloat16", min_tokens=50)
+    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16", min_tokens=50)
     try:
         c = run_to_end(engine, [req(1, "forced", max_tokens=50)])[1]
         assert c.tokens == 50
@@ -207,7 +207,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
 
     engine = ChatTTSEngine.load(
         model_dir=tiny_model_dir,
-        device="cpu",
+        device=TEST_DEVICE,
         dtype="float32",
         prefill_bucket=16,
         warmup_prompt_chars=60,
@@ -235,7 +235,9 @@ def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_di
     from server.engine.chattts import ChatTTSEngine
 
     assert tiny_engine.prefill_bucket > 1
-    exact = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=1)
+    exact = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", prefill_bucket=1
+    )
     seen, handle = _prefill_lengths(exact)
     try:
         unpadded = run_to_end(exact, [req(1, SENTENCES[2], max_tokens=40)])[1]

@@ -17,6 +17,7 @@ from server.app import App
 from server.config import load_settings
 from tests.integration.test_client_py import raw_stream
 from tests.integration.test_resume import broken_run, unbroken
+from tests.model.helpers import TEST_DEVICE
 from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
 
@@ -33,7 +34,7 @@ async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
             "--model-dir",
             str(tiny_model_dir),
             "--device",
-            "cpu",
+            TEST_DEVICE,
             "--dtype",
             "float32",
             "--port",

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from server.engine.base import EngineError, SequenceRequest, SynthesisParams
-from tests.model.helpers import run_to_end
+from tests.model.helpers import TEST_DEVICE, run_to_end
 from tests.model.reference import HostReads, RecordingRunner, plain_generation
 
 pytestmark = pytest.mark.model
@@ -47,9 +47,8 @@ def req(seq_id: int, text: str, *, seed: int = 7, max_tokens: int = 48, **kw: An
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
     from server.engine.chattts import ChatTTSEngine
 
-    eng = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device="cpu", dtype="float32", max_batch=8, step_runner=RecordingRunner
-    )
+    options = {"max_batch": 8, "step_runner": RecordingRunner}
+    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", **options)
     eng.warmup()
     yield eng
     eng.close()
@@ -139,7 +138,7 @@ def test_at_most_one_host_read_per_token_whatever_the_batch(tiny_model_dir: Path
 
     eng = ChatTTSEngine.load(
         model_dir=tiny_model_dir,
-        device="cpu",
+        device=TEST_DEVICE,
         dtype="float32",
         max_batch=8,
         block_schedule=(8, 8, 16),
@@ -222,7 +221,7 @@ def test_segment_max_tokens_caps_sequences_and_sizes_the_slots(tiny_model_dir: P
     from server.engine.chattts import ChatTTSEngine
 
     options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100}
-    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", **options)
+    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", **options)
     try:
         assert eng.max_len == eng.prefill_length(eng._prompt_tokens("字" * 120)) + 12
         assert run_to_end(eng, [req(1, "forced", max_tokens=500)])[1].tokens == 12
