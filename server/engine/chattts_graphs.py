@@ -118,6 +118,8 @@ class CudaGraphRunner:
         """Replay the shape's graph (or, never expected, run it eagerly)."""
         graph = self._graphs.get((batch, length))
         if graph is None:
+            if not self.misses:
+                log.warning("token step at %s was never captured: running it eagerly", (batch, length))
             self.misses += 1
             self._step(batch, length)
             return
