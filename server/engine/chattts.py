@@ -121,7 +121,8 @@ class ChatTTSEngine:
             ),
             head_w=head_w,
             code_w=code_w,
-            vocoder=BatchVocoder(chat.decoder, chat.vocos),
+            # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
+            vocoder=BatchVocoder(chat.decoder, chat.vocos, max_waste=None if device.type == "cuda" else 0.25),
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
@@ -137,14 +138,11 @@ class ChatTTSEngine:
             name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=self._extra()
         )
         log.info(
-            "KV cache: %d slots x %d positions = %.1f MiB (%s); token step: %s, batch buckets %s, %d lengths",
-            self.slots,
-            self.max_len,
+            "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
+            *(self._info.extra[k] for k in ("kv_slots", "kv_max_len")),
             self.kv_cache_bytes / 2**20,
-            str(dtype).removeprefix("torch."),
-            self._batch.runner.kind,
-            ",".join(map(str, self._batch.batch_buckets)),
-            len(self._batch.length_buckets),
+            self._info.extra["dtype"],
+            *(self._info.extra[k] for k in ("token_step", "batch_buckets")),
         )
         if loaded.random_weights:
             log.warning(
@@ -158,12 +156,7 @@ class ChatTTSEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_dir": str(self._loaded.model_dir),
             "random_weights": "true" if self._loaded.random_weights else "false",
-            "kv_slots": str(self.slots),
-            "kv_max_len": str(self.max_len),
-            "kv_cache_bytes": str(self.kv_cache_bytes),
-            "token_step": self._batch.runner.kind,
-            "batch_buckets": ",".join(map(str, self._batch.batch_buckets)),
-            "length_buckets": ",".join(map(str, self._batch.length_buckets)),
+            **self._batch.describe(),
         }
 
     @classmethod

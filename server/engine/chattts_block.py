@@ -156,6 +156,17 @@ class SlotBatch:
         else:
             self.runner = EagerRunner(self.token_step)
 
+    def describe(self) -> dict[str, str]:
+        """KV slots, memory and shape buckets, for the engine's info and the start-up log."""
+        return {
+            "kv_slots": str(self.layout.slots),
+            "kv_max_len": str(self.layout.max_len),
+            "kv_cache_bytes": str(self.kv.nbytes),
+            "token_step": self.runner.kind,
+            "batch_buckets": ",".join(map(str, self.batch_buckets)),
+            "length_buckets": ",".join(map(str, self.length_buckets)),
+        }
+
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""
         return [(b, n) for b in self.batch_buckets for n in self.length_buckets]

@@ -58,9 +58,19 @@ class EagerRunner:
         self._step = step
 
     def prepare(self, shapes: Sequence[Shape]) -> None:
-        """Run each shape once, so kernels and allocator pools meet it before the first request."""
+        """Run each batch size at its shortest and longest length before the first request.
+
+        The kernels' shape-dependent state (oneDNN primitives for the projections) depends
+        on the batch size only; the attention's temporaries grow with the length, so the
+        longest one meets the largest allocations. Running every length too would only
+        lengthen start-up (on the CPU, seconds per batch size).
+        """
+        lengths: dict[int, list[int]] = {}
         for batch, length in shapes:
-            self._step(batch, length)
+            lengths.setdefault(batch, []).append(length)
+        for batch, seen in lengths.items():
+            for length in sorted({min(seen), max(seen)}):
+                self._step(batch, length)
 
     def run(self, batch: int, length: int) -> None:
         """Run the step."""

@@ -23,31 +23,8 @@ from typing import Any
 import torch
 
 from server.engine.chattts_batch import PENALTY_WINDOW, RowSampling, counter_uniforms, sample_codes
+from server.engine.chattts_llama import attention_for, decode_layers, forward_layers
 from server.engine.chattts_slots import SlotKV
-
-
-def forward_layers(
-    llama: Any, x: torch.Tensor, positions: torch.Tensor, cache: Any, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The Llama's layers and final norm on ``inputs_embeds`` ``x`` (what ``LlamaModel.forward`` runs).
-
-    Calling the layers directly skips ``LlamaModel.forward``'s mask construction (which
-    inspects mask values on the host) and its per-call bookkeeping: the step passes its own
-    boolean mask, and a prefill passes ``None`` (SDPA's causal mask, as transformers itself
-    does for an unpadded prompt).
-    """
-    position_embeddings = llama.rotary_emb(x, positions)
-    for layer in llama.layers[: llama.config.num_hidden_layers]:
-        out = layer(
-            x,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            position_embeddings=position_embeddings,
-        )
-        x = out[0] if isinstance(out, tuple) else out
-    result: torch.Tensor = llama.norm(x)
-    return result
 
 
 @dataclass(eq=False)
@@ -196,12 +173,9 @@ class TokenStep:
     ) -> None:
         self.llama, self.kv, self.state = llama, kv, state
         self.head_w, self.code_w = head_w, code_w
-        self.eos, self.min_tokens, self.repetition_penalty, self.dtype = (
-            eos,
-            min_tokens,
-            repetition_penalty,
-            dtype,
-        )
+        self.eos, self.min_tokens, self.dtype = eos, min_tokens, dtype
+        self.repetition_penalty = repetition_penalty
+        self.attend = attention_for(state.hidden.device)
         self.block = int(state.pending_hidden.shape[1])
 
     def __call__(self, b: int, length: int) -> None:
@@ -255,7 +229,7 @@ class TokenStep:
         positions = lengths.unsqueeze(1)
         mask = (st.columns[:length].unsqueeze(0) <= positions).view(b, 1, 1, length)
         cache = self.kv.step_view(st.slot_index[:b], lengths, length)
-        out = forward_layers(self.llama, emb.unsqueeze(1).to(self.dtype), positions, cache, mask)
+        out = decode_layers(self.llama, emb.unsqueeze(1).to(self.dtype), positions, cache, mask, self.attend)
         return out[:, -1].float()
 
     def prefill(self, emb: torch.Tensor, slot: int, real_length: int) -> torch.Tensor:

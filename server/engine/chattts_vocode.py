@@ -38,6 +38,24 @@ def _temporal_convs(module: torch.nn.Module) -> list[torch.nn.Conv1d]:
     return [m for m in module.modules() if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1]
 
 
+def decode_groups(lengths: list[int], max_waste: float | None) -> list[list[int]]:
+    """Indices of windows decoded together, longest first.
+
+    All of them in one group, or (``max_waste``, a fraction) runs whose lengths are within
+    that fraction of their group's longest.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_waste is None:
+        return [order]
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= (1 - max_waste) * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class BatchVocoder:
     """Decodes ``(T_i, hidden)`` windows of several rows in one call.
 
@@ -47,12 +65,15 @@ class BatchVocoder:
         token_multiple: windows are padded up to a multiple of this many tokens.
     """
 
-    def __init__(self, decoder: torch.nn.Module, vocos: Any, *, token_multiple: int = 4) -> None:
+    def __init__(
+        self, decoder: torch.nn.Module, vocos: Any, *, token_multiple: int = 4, max_waste: float | None = None
+    ) -> None:
         istft = vocos.head.istft
         if getattr(istft, "padding", "center") != "center":
             raise ValueError("BatchVocoder needs Vocos's ISTFT head with center padding (ChatTTS's)")
         self._decoder, self._vocos = decoder, vocos
         self.token_multiple = token_multiple
+        self.max_waste = max_waste
         self._mask: torch.Tensor | None = None
         self.shapes: set[tuple[int, int]] = set()  # (rows, tokens) of every batched call
         for conv in _temporal_convs(decoder) + _temporal_convs(vocos.backbone):
@@ -64,7 +85,19 @@ class BatchVocoder:
         return (args[0] * self._mask, *args[1:])
 
     def decode(self, windows: list[torch.Tensor]) -> list[npt.NDArray[np.float32]]:
-        """Each window's one-shot decode: ``samples_for_tokens(T_i)`` float32 samples per row."""
+        """Each window's one-shot decode: ``samples_for_tokens(T_i)`` float32 samples per row.
+
+        One call for all rows, or, with ``max_waste``, one call per group of windows of
+        similar length: on the CPU, compute grows with the padded length, so a newcomer's
+        8-token window is not padded to a steady row's 52.
+        """
+        out: list[npt.NDArray[np.float32]] = [np.zeros(0, dtype=np.float32)] * len(windows)
+        for group in decode_groups([int(w.shape[0]) for w in windows], self.max_waste):
+            for index, wav in zip(group, self._decode_together([windows[i] for i in group]), strict=True):
+                out[index] = wav
+        return out
+
+    def _decode_together(self, windows: list[torch.Tensor]) -> list[npt.NDArray[np.float32]]:
         lengths = [int(w.shape[0]) for w in windows]
         tokens = -(-max(lengths) // self.token_multiple) * self.token_multiple
         first = windows[0]

@@ -33,14 +33,20 @@ def _windows(lengths: list[int], seed: int = 3) -> list[torch.Tensor]:
     return [torch.randn(n, 768, generator=gen) for n in lengths]
 
 
-def test_each_row_of_a_batched_decode_equals_its_decode_alone(modules: tuple[Any, Any]) -> None:
+@pytest.mark.parametrize("max_waste", [None, 0.25], ids=["one-call", "grouped-by-length"])
+def test_each_row_of_a_batched_decode_equals_its_decode_alone(
+    modules: tuple[Any, Any], max_waste: float | None
+) -> None:
     from server.engine.chattts_vocode import BatchVocoder
 
     decoder, vocos = modules
     windows = _windows(LENGTHS)
     with torch.inference_mode():
         alone = [make_decode_fn(decoder, vocos)(w) for w in windows]
-        batched = BatchVocoder(decoder, vocos).decode(windows)
+        vocoder = BatchVocoder(decoder, vocos, max_waste=max_waste)
+        batched = vocoder.decode(windows)
+        grouped = {(2, 52), (1, 28), (2, 16), (1, 4)}  # (rows, padded tokens) of each call
+        assert vocoder.shapes == ({(7, 52)} if max_waste is None else grouped)
     for n, ref, got in zip(LENGTHS, alone, batched, strict=True):
         assert len(got) == len(ref) == samples_for_tokens(n)
         assert np.abs(got - ref).max() <= 1e-5, f"window of {n} tokens: {np.abs(got - ref).max():.2e}"
