@@ -4,14 +4,16 @@ Usage (full-size random-weight model; the "before" code is a checkout of the com
 
     python -m server make-dev-model --size full /tmp/dev-full
     git worktree add /tmp/gpu-before ee2787d
-    python -m bench.hotpath --model-dir /tmp/dev-full --before /tmp/gpu-before --rounds 2 \\
+    python -m bench.hotpath --model-dir /tmp/dev-full --before /tmp/gpu-before --rounds 3 \\
         --out bench/results/hotpath_cpu
 
-Every round runs three child processes one after the other (``bench.hotpath_child``):
-the engine of ``--before``, the engine of this tree, and ChatTTS's ``Chat.infer(stream=True)``
-(stock float32, ``skip_refine_text``, ``split_text=False``), each loading the model once.
-Rounds interleave the systems, so load from other work on a shared machine falls on all of
-them; medians over rounds are reported. Engines run bf16 (the CPU default), 2 threads, EOS
+Three long-lived child processes (``bench.hotpath_child``) each load one system once: the
+engine of ``--before``, the engine of this tree, and ChatTTS's ``Chat.infer(stream=True)``
+(stock float32, ``skip_refine_text``, ``split_text=False``). Every round then runs each
+scenario on the two engines back to back (their order flipped every round) and ChatTTS after
+them, while the idle children wait: load from other work on a shared machine falls on both
+engines alike, and the after/before ratio is taken per round, from runs minutes apart at
+most; medians over rounds are reported. Engines run bf16 (the CPU default), 2 threads, EOS
 banned so that every job runs to its own length (jobs of 120–259 tokens, staggered so rows
 end and new ones join at different steps, as streams do on a server); ChatTTS's rows all run
 the mean of those lengths (it cannot give rows different lengths in one batch).
@@ -32,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,71 +43,128 @@ REPO = Path(__file__).resolve().parents[1]
 CATEGORIES = ("llama", "sampling", "decode", "prefill")
 
 
-def run_child(system: str, code_root: Path, args: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
-    """One child process; its JSON (or ``{"error": ...}`` when it failed)."""
-    out = tmp / f"{tag}.json"
-    argv = [
-        sys.executable, "-m", "bench.hotpath_child", "--system", system, "--code-root", str(code_root),
-        "--model-dir", str(args.model_dir), "--out", str(out), "--threads", str(args.threads),
-        "--jobs-per-row", str(args.jobs_per_row), "--concurrency", args.concurrency,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
-    began = time.perf_counter()
-    print(f"[hotpath] {tag}: {shlex.join(argv)}", flush=True)
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return {"error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
-    data: dict[str, Any] = json.loads(out.read_text())
-    data["child_s"] = time.perf_counter() - began
-    data["loadavg_after"] = list(os.getloadavg())
-    load = data["loadavg_after"][0]
-    print(f"[hotpath] {tag}: done in {data['child_s']:.0f} s, load {load:.1f}", flush=True)
-    return data
+class Child:
+    """A long-lived ``bench.hotpath_child``: loads its system once, then answers commands."""
+
+    def __init__(self, name: str, system: str, code_root: Path, args: argparse.Namespace, tmp: Path) -> None:
+        argv = [
+            sys.executable, "-m", "bench.hotpath_child", "--system", system, "--code-root", str(code_root),
+            "--model-dir", str(args.model_dir), "--threads", str(args.threads),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+        self.name, self.log = name, tmp / f"{name}.log"
+        print(f"[hotpath] starting {name}: {shlex.join(argv)}", flush=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        self.ready = self._read()["ready"]
+        print(f"[hotpath] {name} ready: {self.ready}", flush=True)
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{self.name} exited ({self.proc.wait()}): {tail}")
+        data: dict[str, Any] = json.loads(line)
+        return data
+
+    def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Run one command; its result, with the load average after it."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        result: dict[str, Any] = reply["result"]
+        result["loadavg"] = reply["loadavg"]
+        print(f"[hotpath] {self.name} {command}: {_brief(result)}", flush=True)
+        return result
+
+    def close(self) -> None:
+        """Ask the child to quit (kill it if it does not)."""
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"run": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _brief(result: dict[str, Any]) -> str:
+    if "audio_s" in result:
+        audio = result["audio_s"]
+        return f"{audio / result['wall_s']:.3f} audio-s/s, {audio / result['cpu_s']:.3f} per CPU-s"
+    if "ttfa_s" in result:
+        return f"ttfa {result['ttfa_s']:.3f} s"
+    return f"{1000 * result['wall_s'] / max(1, result['tokens']):.1f} ms per token step"
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _shares(entry: dict[str, Any], tokens: float) -> dict[str, float]:
+def _shares(entry: dict[str, Any], unit: float) -> dict[str, float]:
     """Milliseconds per unit (token step, audio-second) by category; ``other``: the rest of the wall time."""
     seconds = entry["seconds"]
-    row = {c: 1000 * seconds.get(c, 0.0) / tokens for c in CATEGORIES}
-    row["other"] = 1000 * entry["wall_s"] / tokens - sum(row.values())
-    row["total"] = 1000 * entry["wall_s"] / tokens
+    row = {c: 1000 * seconds.get(c, 0.0) / unit for c in CATEGORIES}
+    row["other"] = 1000 * entry["wall_s"] / unit - sum(row.values())
+    row["total"] = 1000 * entry["wall_s"] / unit
     return row
 
 
-def summarize(rounds: list[dict[str, dict[str, Any]]], concurrency: list[int]) -> dict[str, Any]:
-    """Medians over rounds of every figure the report shows."""
-    systems = ("before", "after", "native")
-    ok = {s: [r[s] for r in rounds if "error" not in r.get(s, {"error": 1})] for s in systems}
-    summary: dict[str, Any] = {"rounds_ok": {s: len(v) for s, v in ok.items()}}
-    for system in ("before", "after"):
-        runs = ok[system]
-        summary[system] = {
-            "ttfa_p50_s": _median([_median(r["ttfa_s"]) for r in runs]),
+def measure_round(children: dict[str, Child], r: int, args: argparse.Namespace, raw: dict[str, Any]) -> None:
+    """One round: every scenario on both engines back to back (order flipped every round), then ChatTTS."""
+    engines = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+    for k in range(args.ttfa_per_round):
+        for name in engines:
+            raw[name]["ttfa"].append(children[name].ask({"run": "ttfa", "k": k}))
+    for batch in (1, 8):
+        for name in engines:
+            raw[name]["profile"][str(batch)].append(children[name].ask({"run": "profile", "batch": batch}))
+    for n in args.concurrency:
+        for name in engines:
+            raw[name]["closed"][str(n)].append(
+                children[name].ask({"run": "closed", "n": n, "seconds": args.seconds})
+            )
+        if "native" in children:
+            raw["native"]["closed"][str(n)].append(children["native"].ask({"run": "closed", "n": n}))
+
+
+def summarize(raw: dict[str, Any], concurrency: list[int]) -> dict[str, Any]:
+    """Medians over rounds, and per-round after/before ratios (adjacent in time, so load hits both)."""
+    summary: dict[str, Any] = {}
+    for name in ("before", "after"):
+        summary[name] = {
+            "ttfa_p50_s": _median([x["ttfa_s"] for x in raw[name]["ttfa"]]),
             "profile": {
                 b: {
-                    c: _median([_shares(r["profile"][b], r["profile"][b]["tokens"])[c] for r in runs])
-                    for c in (*CATEGORIES, "other", "total")
+                    k: _median([_shares(x, x["tokens"])[k] for x in runs])
+                    for k in (*CATEGORIES, "other", "total")
                 }
-                for b in ("1", "8")
+                for b, runs in raw[name]["profile"].items()
             },
         }
-    for system in systems:
-        closed = {str(n): _closed([r["closed"][str(n)] for r in ok[system]]) for n in concurrency}
-        summary.setdefault(system, {})["closed"] = closed
-    before, after, native = (summary[s]["closed"] for s in systems)
-    summary["targets"] = {
-        "throughput_c8_ratio": after["8"]["audio_per_wall"] / before["8"]["audio_per_wall"],
+    for name in ("before", "after", "native"):
+        summary.setdefault(name, {})["closed"] = {
+            str(n): _closed(raw[name]["closed"][str(n)]) for n in concurrency if raw[name]["closed"][str(n)]
+        }
+    pairs = zip(raw["before"]["closed"]["8"], raw["after"]["closed"]["8"], strict=False)
+    ratios = [(a["audio_s"] / a["wall_s"]) / (b["audio_s"] / b["wall_s"]) for b, a in pairs]
+    targets: dict[str, Any] = {
+        "throughput_c8_ratio": _median(ratios),
+        "throughput_c8_ratios_per_round": ratios,
         "ttfa_c1_ratio": summary["after"]["ttfa_p50_s"] / summary["before"]["ttfa_p50_s"],
-        **{
-            f"cpu_efficiency_c{n}_vs_native": after[str(n)]["audio_per_cpu"] / native[str(n)]["audio_per_cpu"]
-            for n in concurrency
-        },
     }
+    for n in concurrency:
+        if str(n) in summary["native"]["closed"]:
+            native = summary["native"]["closed"][str(n)]["audio_per_cpu"]
+            targets[f"cpu_efficiency_c{n}_vs_native"] = (
+                summary["after"]["closed"][str(n)]["audio_per_cpu"] / native
+            )
+    summary["targets"] = targets
     return summary
 
 
@@ -145,9 +203,10 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu_model']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB; "
         f"torch {m['versions']['torch']}; 2 torch threads, `OMP_WAIT_POLICY=PASSIVE`. "
-        f"**Shared with other jobs** (load average at start {m['loadavg_at_start'][0]:.1f}, "
-        f"after each child: {meta['loadavgs']}); systems interleaved in {meta['rounds']} rounds, "
-        f"medians shown. Before = `{meta['before_commit']}`, after = `{meta['after_commit']}`. "
+        f"**Shared with other jobs** (1-minute load average at start {m['loadavg_at_start'][0]:.1f}; "
+        f"after every run in `raw[*].loadavg` of the JSON, {_load_range(result['raw'])}); "
+        f"{meta['rounds']} rounds, each scenario on both engines back to back, medians shown. "
+        f"Before = `{meta['before_commit']}`, after = `{meta['after_commit']}`. "
         "Full-size random-weight model, engines bf16, ChatTTS float32 (stock).",
         "",
         "## Targets",
@@ -183,23 +242,45 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"## Closed loop, {n} streams: ms of wall time per second of audio", "", head, rule]
         for system in ("before", "after", "native"):
             lines.append(_row(system, s[system]["closed"][n]["ms_per_audio_s"]))
+    lines += ["", "## Per round: audio-s per wall-s (after/before ratio), load average after the runs", ""]
+    lines += [
+        "| round | streams | before | after | ratio | ChatTTS | load |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    raw = result["raw"]
+    for n in sorted(raw["after"]["closed"], key=int):
+        native_runs = raw["native"]["closed"][n]
+        for i, (b, a) in enumerate(zip(raw["before"]["closed"][n], raw["after"]["closed"][n], strict=False)):
+            nat = (
+                native_runs[i]["audio_s"] / native_runs[i]["wall_s"] if i < len(native_runs) else float("nan")
+            )
+            bw, aw = b["audio_s"] / b["wall_s"], a["audio_s"] / a["wall_s"]
+            load = f"{b['loadavg']:.1f}–{a['loadavg']:.1f}"
+            lines.append(f"| {i} | {n} | {bw:.3f} | {aw:.3f} | {aw / bw:.2f}× | {nat:.3f} | {load} |")
     lines += ["", "## Notes", "", *meta.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
+def _load_range(raw: dict[str, Any]) -> str:
+    loads = [x["loadavg"] for runs in raw["after"]["closed"].values() for x in runs]
+    loads += [x["loadavg"] for runs in raw["before"]["closed"].values() for x in runs]
+    return f"{min(loads):.1f}–{max(loads):.1f} during the closed loops" if loads else "none recorded"
+
+
 def main() -> int:
-    """Run the rounds, write JSON and markdown (partial results too, if a child failed)."""
-    raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    """Start the three children, run the rounds, write JSON and markdown after every round."""
+    raw_help = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw_help)
     parser.add_argument("--model-dir", type=Path, required=True, help="full-size dev model (make-dev-model)")
     parser.add_argument("--before", type=Path, required=True, help="checkout of the code before the change")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--jobs-per-row", type=int, default=2)
-    parser.add_argument("--concurrency", default="4,8")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of one closed-loop run")
+    parser.add_argument("--ttfa-per-round", type=int, default=3)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8])
+    parser.add_argument("--no-native", action="store_true", help="skip ChatTTS's infer()")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/hotpath_cpu")
     args = parser.parse_args()
-    concurrency = [int(x) for x in args.concurrency.split(",")]
 
     def commit(root: Path) -> str:
         argv = ["git", "-C", str(root), "rev-parse", "--short", "HEAD"]
@@ -211,27 +292,27 @@ def main() -> int:
         "rounds": args.rounds,
         "before_commit": commit(args.before),
         "after_commit": commit(REPO),
-        "loadavgs": [],
     }
-    rounds: list[dict[str, dict[str, Any]]] = []
+    empty = {"ttfa": [], "profile": {"1": [], "8": []}, "closed": {str(n): [] for n in args.concurrency}}
+    raw: dict[str, Any] = {name: json.loads(json.dumps(empty)) for name in ("before", "after", "native")}
+    children: dict[str, Child] = {}
     with tempfile.TemporaryDirectory(prefix="hotpath-") as tmp:
-        for r in range(args.rounds):
-            results = {}
-            plan = (("before", "engine", args.before), ("after", "engine", REPO), ("native", "native", REPO))
-            for system, kind, root in plan:
-                results[system] = run_child(kind, root, args, Path(tmp), f"{system}-{r}")
-                meta["loadavgs"].append(round(results[system].get("loadavg_after", [float("nan")])[0], 1))
-            rounds.append(results)
-            result = {"meta": meta, "rounds": rounds}
-            try:
-                result["summary"] = summarize(rounds, concurrency)
-            except (KeyError, ZeroDivisionError, TypeError) as exc:  # a system failed every round so far
-                result["summary_error"] = repr(exc)
-            args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-            if "summary" in result:
+        try:
+            plan = [("before", "engine", args.before), ("after", "engine", REPO)]
+            plan += [] if args.no_native else [("native", "native", REPO)]
+            for name, system, root in plan:
+                children[name] = Child(name, system, root, args, Path(tmp))
+            meta["ready"] = {name: child.ready for name, child in children.items()}
+            for r in range(args.rounds):
+                measure_round(children, r, args, raw)
+                result = {"meta": meta, "raw": raw, "summary": summarize(raw, args.concurrency)}
+                args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
                 args.out.with_suffix(".md").write_text(render(result))
-    print(args.out.with_suffix(".md").read_text() if args.out.with_suffix(".md").exists() else "no summary")
-    return 0 if all("error" not in v for r in rounds for v in r.values()) else 1
+        finally:
+            for child in children.values():
+                child.close()
+    print(args.out.with_suffix(".md").read_text() if args.out.with_suffix(".md").exists() else "no results")
+    return 0
 
 
 if __name__ == "__main__":

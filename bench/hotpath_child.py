@@ -1,6 +1,10 @@
-"""The child process of :mod:`bench.hotpath`: one system, loaded once, its scenarios, one JSON.
+"""The child process of :mod:`bench.hotpath`: one system, loaded once, answering measurement commands.
 
-``python -m bench.hotpath_child --system engine --code-root DIR --model-dir M --out X.json``
+``python -m bench.hotpath_child --system engine --code-root DIR --model-dir M`` prints
+``{"ready": ...}``, then reads one JSON command per line on stdin (``{"run": "ttfa"}``,
+``{"run": "profile", "batch": 8}``, ``{"run": "closed", "n": 8, "seconds": 30}``,
+``{"run": "quit"}``) and answers each with one JSON line, so the parent can alternate
+systems scenario by scenario while each keeps its model loaded.
 
 ``--code-root`` is put first on ``sys.path`` before anything of ``server`` is imported, so
 the same child measures the engine of this tree or of another checkout (the code before a
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -89,151 +94,159 @@ def instrument_engine(profile: Profile) -> None:
         StreamDecoder.pull = profile.wrap("decode", StreamDecoder.pull)  # type: ignore[method-assign]
 
 
-def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+class EngineSystem:
+    """One engine version, loaded once; each command runs one measurement on it."""
 
-    from server.engine.base import SequenceRequest, SynthesisParams
-    from server.engine.chattts import ChatTTSEngine
-    from server.engine.chattts_assets import load_chat
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
 
-    profile = Profile()
-    instrument_engine(profile)
-    loaded = load_chat(model_dir=args.model_dir, device=torch.device("cpu"))
-    options: dict[str, Any] = {"min_tokens": 1 << 20}  # EOS banned: every job runs to its own length
-    if "max_batch" in str(inspect.signature(ChatTTSEngine.__init__)) or "options" in str(
-        inspect.signature(ChatTTSEngine.__init__)
-    ):
-        options["max_batch"] = args.max_batch
-    began = time.perf_counter()
-    engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, **options)
-    engine.warmup()
-    out: dict[str, Any] = {"load_and_warmup_s": time.perf_counter() - began, "extra": dict(engine.info.extra)}
-    seq = iter(range(1 << 30))
+        from server.engine.chattts import ChatTTSEngine
+        from server.engine.chattts_assets import load_chat
 
-    def add(k: int, tokens: int) -> int:
-        sid = next(seq)
+        self.args, self.profile = args, Profile()
+        instrument_engine(self.profile)
+        loaded = load_chat(model_dir=args.model_dir, device=torch.device("cpu"))
+        options: dict[str, Any] = {"min_tokens": 1 << 20}  # EOS banned: every job runs to its own length
+        if "options" in str(inspect.signature(ChatTTSEngine.__init__)):  # this tree: KV slots
+            options["max_batch"] = args.max_batch
+        began = time.perf_counter()
+        self.engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, **options)
+        self.engine.warmup()
+        self.ready = {"load_and_warmup_s": time.perf_counter() - began, "extra": dict(self.engine.info.extra)}
+        self._seq = iter(range(1 << 30))
+
+    def add(self, k: int, tokens: int) -> int:
+        from server.engine.base import SequenceRequest, SynthesisParams
+
+        sid = next(self._seq)
         params = SynthesisParams(seed=1000 + k)
-        engine.add(SequenceRequest(seq_id=sid, text=TEXTS[k % len(TEXTS)], params=params, max_tokens=tokens))
+        self.engine.add(
+            SequenceRequest(seq_id=sid, text=TEXTS[k % len(TEXTS)], params=params, max_tokens=tokens)
+        )
         return sid
 
-    # time to first audio, one stream
-    ttfa = []
-    for k in range(args.ttfa_repeats):
+    def ttfa(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Time to first audio of one stream alone (prefill + first block + its decode)."""
         began = time.perf_counter()
-        sid = add(k, 40)
-        while not len(engine.step([sid])[0].audio):
+        sid = self.add(command.get("k", 0), 40)
+        while not len(self.engine.step([sid])[0].audio):
             pass
-        ttfa.append(time.perf_counter() - began)
-        engine.drop(sid)
-    out["ttfa_s"] = ttfa
-    # one steady-state block (32 tokens) at batch 1 and 8
-    out["profile"] = {}
-    for batch in (1, 8):
-        ids = [add(k, 400) for k in range(batch)]
-        for _ in range(3):  # blocks of 8, 16, 32 tokens: every row is on its 32-token schedule now
-            engine.step(ids)
-        profile.take()
+        ttfa = time.perf_counter() - began
+        self.engine.drop(sid)
+        return {"ttfa_s": ttfa}
+
+    def profile_block(self, command: dict[str, Any]) -> dict[str, Any]:
+        """One steady-state block (every row on its 32-token schedule) at ``batch`` rows."""
+        batch = command["batch"]
+        ids = [self.add(k, 400) for k in range(batch)]
+        for _ in range(3):  # blocks of 8, 16 and 32 tokens
+            self.engine.step(ids)
+        self.profile.take()
         began = time.perf_counter()
-        tokens = sum(r.tokens for r in engine.step(ids)) // batch
+        tokens = sum(r.tokens for r in self.engine.step(ids)) // batch
         wall = time.perf_counter() - began
-        out["profile"][str(batch)] = {"wall_s": wall, "tokens": tokens, "seconds": profile.take()}
         for sid in ids:
-            engine.drop(sid)
-    # closed loop
-    out["closed"] = {}
-    for concurrency in args.concurrency:
-        out["closed"][str(concurrency)] = closed_loop(engine, add, concurrency, args, profile)
-    engine.close()
-    return out
+            self.engine.drop(sid)
+        return {"wall_s": wall, "tokens": tokens, "seconds": self.profile.take()}
 
-
-def closed_loop(
-    engine: Any, add: Callable[[int, int], int], n: int, args: argparse.Namespace, profile: Profile
-) -> dict[str, Any]:
-    """``n`` live rows, each finished one replaced by the next job, ``jobs_per_row · n`` jobs in all."""
-    jobs = args.jobs_per_row * n
-    lengths = [job_tokens(k, args.low, args.span) for k in range(jobs)]
-    profile.take()
-    cpu0, began = time.process_time(), time.perf_counter()
-    live = {add(k, lengths[k]): k for k in range(n)}
-    started, samples = n, 0
-    while live:
-        for result in engine.step(list(live)):
-            samples += len(result.audio)
-            if result.finished:
-                del live[result.seq_id]
-                if started < jobs:
-                    live[add(started, lengths[started])] = started
+    def closed(self, command: dict[str, Any]) -> dict[str, Any]:
+        """``n`` live rows for ``seconds``, each ended row replaced by the next job (same jobs each time)."""
+        n, seconds, a = command["n"], command["seconds"], self.args
+        self.profile.take()
+        cpu0, began = time.process_time(), time.perf_counter()
+        live = {self.add(k, job_tokens(k, a.low, a.span)): k for k in range(n)}
+        started, samples = n, 0
+        while time.perf_counter() - began < seconds:
+            for result in self.engine.step(list(live)):
+                samples += len(result.audio)
+                if result.finished:
+                    del live[result.seq_id]
+                    live[self.add(started, job_tokens(started, a.low, a.span))] = started
                     started += 1
-    wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
-    audio = samples / SAMPLE_RATE
-    return {"wall_s": wall, "cpu_s": cpu, "audio_s": audio, "jobs": jobs, "seconds": profile.take()}
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
+        for sid in live:
+            self.engine.drop(sid)
+        audio = samples / SAMPLE_RATE
+        return {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "audio_s": audio,
+            "jobs": started,
+            "seconds": self.profile.take(),
+        }
 
 
-def run_native(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
-    import torch
-    from ChatTTS.model import processors
-    from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
+class NativeSystem:
+    """ChatTTS's own ``Chat.infer(stream=True)``, float32, stock settings, all rows one length."""
 
-    from server.engine.chattts_assets import load_chat
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from ChatTTS.model import processors
+        from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
 
-    profile = Profile()
-    loaded = load_chat(model_dir=args.model_dir, device=torch.device("cpu"))
-    chat = loaded.chat
-    gpt = chat.gpt.gpt
+        from server.engine.chattts_assets import load_chat
 
-    def llama_or_prefill(*args: Any, **kwargs: Any) -> str:
-        return "prefill" if kwargs["inputs_embeds"].shape[1] > 1 else "llama"
+        self.profile = Profile()
+        began = time.perf_counter()
+        self.chat = chat = load_chat(model_dir=args.model_dir, device=torch.device("cpu")).chat
+        gpt = chat.gpt.gpt
 
-    gpt.forward = profile.wrap(llama_or_prefill, gpt.forward)
-    for cls in (processors.CustomRepetitionPenaltyLogitsProcessorRepeat, TopPLogitsWarper, TopKLogitsWarper):
-        cls.__call__ = profile.wrap("sampling", cls.__call__)
-    chat._decode_to_wavs = profile.wrap("decode", chat._decode_to_wavs)
-    torch.manual_seed(2)
-    speaker = chat.sample_random_speaker()
-    tokens = round(sum(job_tokens(k, args.low, args.span) for k in range(64)) / 64)
+        def llama_or_prefill(*args: Any, **kwargs: Any) -> str:
+            return "prefill" if kwargs["inputs_embeds"].shape[1] > 1 else "llama"
 
-    def infer(n: int, seed: int) -> int:
-        params = chat.InferCodeParams(
-            spk_emb=speaker, manual_seed=seed, max_new_token=tokens, min_new_token=tokens, show_tqdm=False
+        gpt.forward = self.profile.wrap(llama_or_prefill, gpt.forward)
+        for cls in (
+            processors.CustomRepetitionPenaltyLogitsProcessorRepeat,
+            TopPLogitsWarper,
+            TopKLogitsWarper,
+        ):
+            cls.__call__ = self.profile.wrap("sampling", cls.__call__)
+        chat._decode_to_wavs = self.profile.wrap("decode", chat._decode_to_wavs)
+        torch.manual_seed(2)
+        self.speaker = chat.sample_random_speaker()
+        self.tokens = round(sum(job_tokens(k, args.low, args.span) for k in range(64)) / 64)
+        self._infer(1, 0, 30)  # warm-up (numba normalizer, allocations)
+        self.ready = {"load_and_warmup_s": time.perf_counter() - began, "tokens_per_row": self.tokens}
+
+    def _infer(self, n: int, seed: int, tokens: int) -> int:
+        import numpy as np
+
+        params = self.chat.InferCodeParams(
+            spk_emb=self.speaker,
+            manual_seed=seed,
+            max_new_token=tokens,
+            min_new_token=tokens,
+            show_tqdm=False,
         )
         texts = [TEXTS[k % len(TEXTS)] for k in range(n)]
-        total = 0
         options = {"stream": True, "skip_refine_text": True, "split_text": False, "params_infer_code": params}
-        for wavs in chat.infer(texts, **options):
-            total += int(np.asarray(wavs).reshape(n, -1).shape[1]) * n
-        return total
+        return sum(int(np.asarray(w).reshape(n, -1).shape[1]) * n for w in self.chat.infer(texts, **options))
 
-    infer(1, 0)  # warm-up (numba normalizer, allocations)
-    out: dict[str, Any] = {"tokens_per_row": tokens, "closed": {}}
-    for n in args.concurrency:
-        profile.take()
-        cpu0, began, samples = time.process_time(), time.perf_counter(), 0
-        for r in range(args.jobs_per_row):
-            samples += infer(n, 100 + r)
-        out["closed"][str(n)] = {
-            "wall_s": time.perf_counter() - began,
-            "cpu_s": time.process_time() - cpu0,
-            "audio_s": samples / SAMPLE_RATE,
-            "jobs": n * args.jobs_per_row,
-            "seconds": profile.take(),
+    def closed(self, command: dict[str, Any]) -> dict[str, Any]:
+        """One ``infer`` call with ``n`` rows of the mean job length (its batch is static)."""
+        self.profile.take()
+        cpu0, began = time.process_time(), time.perf_counter()
+        samples = self._infer(command["n"], 100, self.tokens)
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
+        audio = samples / SAMPLE_RATE
+        return {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "audio_s": audio,
+            "jobs": command["n"],
+            "seconds": self.profile.take(),
         }
-    return out
 
 
 def main() -> int:
+    """Load the system, say ``ready``, then answer one JSON command per stdin line with one JSON line."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("--system", choices=("engine", "native"), required=True)
     parser.add_argument("--code-root", type=Path, required=True, help="checkout whose server/ is measured")
     parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8])
-    parser.add_argument("--jobs-per-row", type=int, default=2)
-    parser.add_argument("--ttfa-repeats", type=int, default=5)
     parser.add_argument("--low", type=int, default=120, help="shortest job, tokens")
     parser.add_argument("--span", type=int, default=140, help="job lengths spread over this many tokens")
     args = parser.parse_args()
@@ -241,8 +254,15 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = run_engine(args) if args.system == "engine" else run_native(args)
-    args.out.write_text(json.dumps(result))
+    system: Any = EngineSystem(args) if args.system == "engine" else NativeSystem(args)
+    print(json.dumps({"ready": system.ready}), flush=True)
+    handlers = {"ttfa": "ttfa", "profile": "profile_block", "closed": "closed"}
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["run"] == "quit":
+            break
+        result = getattr(system, handlers[command["run"]])(command)
+        print(json.dumps({"result": result, "loadavg": os.getloadavg()[0]}), flush=True)
     return 0
 
 
