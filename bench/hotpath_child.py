@@ -136,18 +136,26 @@ class EngineSystem:
         return {"ttfa_s": ttfa}
 
     def profile_block(self, command: dict[str, Any]) -> dict[str, Any]:
-        """One steady-state block (every row on its 32-token schedule) at ``batch`` rows."""
+        """One steady-state block (every row on its 32-token schedule) at ``batch`` rows.
+
+        Three blocks are measured and the fastest is kept: work from other processes on a
+        shared machine only ever adds time.
+        """
         batch = command["batch"]
         ids = [self.add(k, 400) for k in range(batch)]
         for _ in range(3):  # blocks of 8, 16 and 32 tokens
             self.engine.step(ids)
-        self.profile.take()
-        began = time.perf_counter()
-        tokens = sum(r.tokens for r in self.engine.step(ids)) // batch
-        wall = time.perf_counter() - began
+        best: dict[str, Any] = {}
+        for _ in range(3):
+            self.profile.take()
+            began = time.perf_counter()
+            tokens = sum(r.tokens for r in self.engine.step(ids)) // batch
+            wall = time.perf_counter() - began
+            if not best or wall / tokens < best["wall_s"] / best["tokens"]:
+                best = {"wall_s": wall, "tokens": tokens, "seconds": self.profile.take()}
         for sid in ids:
             self.engine.drop(sid)
-        return {"wall_s": wall, "tokens": tokens, "seconds": self.profile.take()}
+        return best
 
     def closed(self, command: dict[str, Any]) -> dict[str, Any]:
         """``n`` live rows for ``seconds``, each ended row replaced by the next job (same jobs each time)."""

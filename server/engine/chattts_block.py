@@ -32,7 +32,14 @@ import torch
 from server.engine.base import SequenceRequest, StepResult
 from server.engine.chattts_decode import DecodeWindow, StreamDecoder
 from server.engine.chattts_graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
-from server.engine.chattts_slots import LENGTH_STEP, SlotKV, batch_buckets, bucket_for, length_buckets
+from server.engine.chattts_slots import (
+    LENGTH_STEP,
+    SlotKV,
+    batch_buckets,
+    bucket_for,
+    kv_dtype,
+    length_buckets,
+)
 from server.engine.chattts_step import SlotState, TokenStep
 from server.engine.chattts_vocode import BatchVocoder
 
@@ -125,7 +132,7 @@ class SlotBatch:
             kv_heads=layout.kv_heads,
             max_len=layout.max_len,
             head_dim=layout.head_dim,
-            dtype=dtype,
+            dtype=kv_dtype(dtype, device),
             device=device,
         )
         self.state = SlotState.allocate(

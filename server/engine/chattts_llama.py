@@ -48,7 +48,11 @@ def forward_layers(
 def math_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Single-query attention in float32: two matmuls and a softmax (the CPU's fast path)."""
+    """Single-query attention in float32: two matmuls and a softmax (the CPU's fast path).
+
+    The CPU's KV slots are float32 already (``chattts_slots.kv_dtype``): no conversion of the
+    strided slot views, which cost as much as the attention itself.
+    """
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
