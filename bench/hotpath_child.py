@@ -114,6 +114,7 @@ class EngineSystem:
         self.engine.warmup()
         self.ready = {"load_and_warmup_s": time.perf_counter() - began, "extra": dict(self.engine.info.extra)}
         self._seq = iter(range(1 << 30))
+        self._loop: dict[str, Any] | None = None  # the closed loop kept running between slices
 
     def add(self, k: int, tokens: int) -> int:
         from server.engine.base import SequenceRequest, SynthesisParams
@@ -158,28 +159,39 @@ class EngineSystem:
         return best
 
     def closed(self, command: dict[str, Any]) -> dict[str, Any]:
-        """``n`` live rows for ``seconds``, each ended row replaced by the next job (same jobs each time)."""
+        """A slice of ``seconds`` of a closed loop of ``n`` rows, each ended row replaced by the next job.
+
+        ``continue``: resume the loop the previous slice left (same ``n``), so slices of the two
+        engines can alternate every few seconds in steady state; otherwise start from job 0
+        (the same jobs for every system).
+        """
         n, seconds, a = command["n"], command["seconds"], self.args
+        loop = self._loop if command.get("continue") and self._loop and self._loop["n"] == n else None
+        if loop is None:
+            if self._loop is not None:
+                for sid in self._loop["live"]:
+                    self.engine.drop(sid)
+            live = {self.add(k, job_tokens(k, a.low, a.span)): k for k in range(n)}
+            loop = self._loop = {"n": n, "live": live, "started": n}
+        live = loop["live"]
         self.profile.take()
-        cpu0, began = time.process_time(), time.perf_counter()
-        live = {self.add(k, job_tokens(k, a.low, a.span)): k for k in range(n)}
-        started, samples = n, 0
+        cpu0, began, samples, jobs = time.process_time(), time.perf_counter(), 0, loop["started"]
         while time.perf_counter() - began < seconds:
             for result in self.engine.step(list(live)):
                 samples += len(result.audio)
                 if result.finished:
                     del live[result.seq_id]
-                    live[self.add(started, job_tokens(started, a.low, a.span))] = started
-                    started += 1
+                    k = loop["started"]
+                    live[self.add(k, job_tokens(k, a.low, a.span))] = k
+                    loop["started"] += 1
         wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
-        for sid in live:
-            self.engine.drop(sid)
         audio = samples / SAMPLE_RATE
+        jobs = loop["started"] - jobs
         return {
             "wall_s": wall,
             "cpu_s": cpu,
             "audio_s": audio,
-            "jobs": started,
+            "jobs_started": jobs,
             "seconds": self.profile.take(),
         }
 
