@@ -347,7 +347,7 @@ class ChatTTSEngine:
                     self._warm_prefill_buckets()
                 self._batch.runner.prepare(self.step_shapes())
             self._prepared = True
-        if self.free_slots == 0:
+        if self.live_sequences >= self.slots:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
             return
         tokens = sum(self.block_schedule) + 1
