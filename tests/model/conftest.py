@@ -15,6 +15,13 @@ from tests.model.helpers import TEST_DEVICE
 
 pytest.importorskip("ChatTTS")
 
+if TEST_DEVICE.startswith("cuda"):
+    import torch
+
+    # The tests compare float32 results to 1e-4 or 1e-5: no TF32 shortcuts in matmuls and convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
 
 class NetworkUsed(AssertionError):
     pass
