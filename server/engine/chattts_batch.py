@@ -97,34 +97,30 @@ def _per_stream(x: torch.Tensor, q: int) -> torch.Tensor:
     return x.unsqueeze(1).expand(x.shape[0], q).reshape(-1)
 
 
-def sample_codes(
+def code_probabilities(
     logits: torch.Tensor,
     history: torch.Tensor,
     sampling: RowSampling,
-    uniforms: torch.Tensor,
     *,
     eos: int,
     repetition_penalty: float,
 ) -> torch.Tensor:
-    """Draw the next code of every stream of every row, ChatTTS-style.
+    """The distribution each stream's next code is drawn from, ChatTTS-style.
 
     The order matches ChatTTS's ``GPT.generate`` for audio codes: divide by
     temperature, repetition penalty over the last 16 codes, top-p, top-k
     (HF warpers, at least 3 tokens kept), EOS banned below the minimum
-    length, softmax, then one draw. The draw inverts the CDF at
-    ``uniforms`` (each row's own random stream), so a row's result does not
-    depend on the other rows.
+    length, softmax.
 
     Args:
         logits: ``(B, num_vq, V)`` float32.
         history: ``(B, num_vq, W)`` recent codes; value ``V`` marks an empty slot.
         sampling: per-row settings.
-        uniforms: ``(B, num_vq)`` in ``[0, 1)``.
         eos: the end code (``V - 1``).
         repetition_penalty: ChatTTS default 1.05.
 
     Returns:
-        ``(B, num_vq)`` long codes.
+        ``(B * num_vq, V)`` probabilities, row ``b * num_vq + q`` for stream ``q`` of row ``b``.
     """
     b, q, v = logits.shape
     x = logits / sampling.temperature.view(b, 1, 1)
@@ -148,7 +144,36 @@ def sample_codes(
     x = x.masked_fill(x < kth, float("-inf"))
     ban = _per_stream(sampling.suppress_eos, q)
     x[:, eos] = x[:, eos].masked_fill(ban, float("-inf"))
-    probs = x.softmax(dim=-1)
+    return x.softmax(dim=-1)
+
+
+def sample_codes(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    sampling: RowSampling,
+    uniforms: torch.Tensor,
+    *,
+    eos: int,
+    repetition_penalty: float,
+) -> torch.Tensor:
+    """Draw the next code of every stream of every row from :func:`code_probabilities`.
+
+    The draw inverts the CDF at ``uniforms`` (each row's own random stream), so a row's
+    result does not depend on the other rows.
+
+    Args:
+        logits: ``(B, num_vq, V)`` float32.
+        history: ``(B, num_vq, W)`` recent codes; value ``V`` marks an empty slot.
+        sampling: per-row settings.
+        uniforms: ``(B, num_vq)`` in ``[0, 1)``.
+        eos: the end code (``V - 1``).
+        repetition_penalty: ChatTTS default 1.05.
+
+    Returns:
+        ``(B, num_vq)`` long codes.
+    """
+    b, q, v = logits.shape
+    probs = code_probabilities(logits, history, sampling, eos=eos, repetition_penalty=repetition_penalty)
     cdf = probs.cumsum(dim=-1)
     u = uniforms.reshape(b * q, 1).to(cdf.dtype) * cdf[:, -1:]
     codes = (cdf <= u).sum(dim=-1).clamp(max=v - 1)
