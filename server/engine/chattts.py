@@ -7,14 +7,17 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
 * per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
   into the sequence's own KV slot (:mod:`server.engine.chattts_slots`);
-* token steps with static shapes over the slots (:mod:`server.engine.chattts_step`),
-  eagerly or as CUDA graphs (:mod:`server.engine.chattts_graphs`), with
+* blocks of token steps (:mod:`server.engine.chattts_block`) with static shapes over
+  the slots (:mod:`server.engine.chattts_step`, the Llama layer by layer in
+  :mod:`server.engine.chattts_llama`), eagerly or as CUDA graphs
+  (:mod:`server.engine.chattts_graphs`), with
   counter-based random streams and sampling on the device
   (:mod:`server.engine.chattts_batch`); one value comes back to the host per
   token (whether any row still runs), one small summary per block;
 * incremental decode of only the new tokens, each row on its own block
-  schedule, all rows due in one batched Decoder + Vocos call
-  (:mod:`server.engine.chattts_decode`, :mod:`server.engine.chattts_vocode`).
+  schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
+  group of similar window lengths) (:mod:`server.engine.chattts_decode`,
+  :mod:`server.engine.chattts_vocode`).
 
 Only ``server/engine/chattts*.py`` import torch; this is one of them.
 """
