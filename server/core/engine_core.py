@@ -33,8 +33,8 @@ from server.core.events import (
 )
 from server.core.policy import (
     Batch,
-    OutOfMemory,
     Outcome,
+    OutOfMemory,
     PolicyConfig,
     Probed,
     SchedulingPolicy,

@@ -201,7 +201,13 @@ class SchedulingPolicy:
     # --- commands --------------------------------------------------------------------
 
     def add(
-        self, stream_id: int, segments: Sequence[str], params: SynthesisParams, *, input_closed: bool, now: float
+        self,
+        stream_id: int,
+        segments: Sequence[str],
+        params: SynthesisParams,
+        *,
+        input_closed: bool,
+        now: float,
     ) -> list[StreamEvent]:
         """A new stream; an empty closed one completes at once."""
         plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed)

@@ -34,7 +34,9 @@ def make_policy(**config: object) -> SchedulingPolicy:
     return SchedulingPolicy(PolicyConfig(**{"max_wait_s": 0.0, **config}))  # type: ignore[arg-type]
 
 
-def add(policy: SchedulingPolicy, stream_id: int, segments: list[str], *, closed: bool = True) -> list[CoreEvent]:
+def add(
+    policy: SchedulingPolicy, stream_id: int, segments: list[str], *, closed: bool = True
+) -> list[CoreEvent]:
     return list(policy.add(stream_id, segments, PARAMS, input_closed=closed, now=0.0))
 
 
