@@ -14,14 +14,12 @@ class ServiceError(Exception):
     Attributes:
         message: human readable and safe to show a client (no internals).
         retry_after_ms: set when retrying later may succeed.
-        field: the request field at fault, when one is.
     """
 
-    def __init__(self, message: str, *, retry_after_ms: int | None = None, field: str | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms
-        self.field = field
 
 
 class InvalidRequest(ServiceError):

@@ -235,9 +235,14 @@ class EngineClient:
         self._core.send(EndInput(stream_id))
 
     def abort(self, stream_id: int) -> None:
-        """Stop generating a stream; its engine work is freed at the next block boundary."""
-        if stream_id in self._generations:
+        """Stop generating a stream; its engine work is freed at the next block boundary.
+
+        The generation ends at once with ``Ended("cancelled")``, after the events it holds.
+        """
+        generation = self._generations.pop(stream_id, None)
+        if generation is not None:
             self._core.send(Cancel(stream_id))
+            generation._push(Ended(stream_id, "cancelled"))
 
     # --- events from the core ----------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.config import Settings
+from server.errors import StartupError
 
 if TYPE_CHECKING:
     from server.engine.base import Engine
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ModelUnavailable(Exception):
+class ModelUnavailable(StartupError):
     """The model cannot be loaded; the one-line message says what to do."""
 
 

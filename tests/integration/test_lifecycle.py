@@ -19,7 +19,7 @@ LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a 
 
 
 def fake_engine(app: App) -> FakeEngine:
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     return engine
 

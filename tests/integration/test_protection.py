@@ -74,7 +74,7 @@ async def test_bad_origin_closes_with_1008(make_app: Any) -> None:
 @pytest.mark.parametrize("fmt", ["pcm16", "opus"])
 async def test_cache_hit_returns_identical_bytes_without_the_model(make_app: Any, fmt: str) -> None:
     app = await make_app("--fake-step-ms", "20")
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     await app.warmed_up.wait()  # warm-up steps after the first stream would count as model work
     request = {"text": "Cached sentence one. 第二句。", "seed": 5, "voice": "alto", "format": fmt}

@@ -68,7 +68,7 @@ async def generation_ended(app: App, token: str | None) -> None:
     stream = app.service.registry.get(token)
     assert stream is not None
     async with asyncio.timeout(10):
-        while not stream.session.ended:
+        while not stream.outbox.ended:
             await asyncio.sleep(0.01)
 
 
@@ -162,7 +162,7 @@ async def test_ttl_expiry_frees_engine_work_and_forgets_the_token(make_app: Any)
     ws, _ = await open_client(app.port)
     await start(ws, id="s", text=TEXT * 4, seed=2)
     token = await read_until_cut(ws, {}, 1)
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine) and engine.live_sequences > 0
     async with asyncio.timeout(10):
         while engine.live_sequences or app.active_streams:
