@@ -111,6 +111,11 @@ class Outbox:
         return self.done_reason is not None
 
     @property
+    def start_index(self) -> int:
+        """Absolute index of the oldest item still held."""
+        return self._base
+
+    @property
     def end_index(self) -> int:
         """Absolute index one past the last item."""
         return self._base + len(self._items)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from server.core.client import EngineClient, GenerateRequest, Generation
-from server.core.events import Audio, Ended, SegmentStarted, StreamEvent
+from server.core.events import Ended, SegmentStarted, StreamEvent
 from server.core.policy import PolicyConfig
 from server.engine.base import SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine
@@ -202,9 +202,7 @@ async def test_out_of_memory_halves_the_batch_and_requests_complete(engine: Fake
 
 
 async def test_breaker_opens_after_repeated_failures_and_a_probe_closes_it(engine: FakeEngine) -> None:
-    async with run_core(
-        engine, breaker_threshold=3, breaker_probe_interval_s=0.05, max_wait_s=0.0
-    ) as sched:
+    async with run_core(engine, breaker_threshold=3, breaker_probe_interval_s=0.05, max_wait_s=0.0) as sched:
         engine.failures.fail_steps = 4  # three steps fail, then the first probe fails too
         sinks = [Sink() for _ in range(3)]
         for i, sink in enumerate(sinks):

@@ -20,8 +20,8 @@ from openai import AsyncOpenAI
 from server.app import App
 from server.audio.pcm import to_pcm16
 from server.engine.base import SequenceRequest, SynthesisParams
-from server.errors import StartupError
 from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
+from server.errors import StartupError
 from server.http_api import OPENAI_VOICES, wav_header
 from server.text import split_segments
 from tests.integration.conftest import fake_settings
