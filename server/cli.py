@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         uvloop.run(App(settings).run_until_signalled())
     except StartupError as exc:  # App.start has stopped everything it started: no thread is left
-        print(f"chattts-stream: {exc}", file=sys.stderr)
+        print("chattts-stream: " + " ".join(str(exc).splitlines()), file=sys.stderr)
         return 2
     return 0
 

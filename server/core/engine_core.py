@@ -101,9 +101,11 @@ class EngineCore:
             return
         except Exception as exc:
             log.debug("engine failed to load", exc_info=True)
-            self._emit([LoadFailed(f"the engine failed to load: {type(exc).__name__}: {exc}")])
+            cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+            self._emit([LoadFailed(f"the engine failed to load (--engine): {cause}")])
             return
         self.engine = engine
+        self._metrics.kv_cache_bytes.set(int(engine.info.extra.get("kv_cache_bytes", 0)))
         self._emit([Loaded(engine.info)])
         try:
             if self._warmup:

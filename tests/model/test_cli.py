@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -59,3 +60,24 @@ async def test_dev_model_flag_serves_random_weights_loudly_and_drains(tmp_path: 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_model_that_fails_to_load_exits_2_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    victim = max((p for p in (broken / "asset").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a truncated download
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATTTS_CACHE_DIR": str(tmp_path / "c")}
+    proc = await spawn_server(
+        *("--engine", "chattts", "--model-dir", str(broken), "--device", "cpu", "--port", str(free_port())),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(120):
+        _, stderr = await proc.communicate()
+    text = stderr.decode()
+    assert proc.returncode == 2, text  # not -6: no abort
+    assert "Traceback" not in text and "terminate called" not in text, text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("chattts-stream: ") and str(broken) in last and "--model-dir" in last
