@@ -22,7 +22,7 @@ from server.connection import Connection
 from server.core.client import EngineClient
 from server.core.policy import PolicyConfig
 from server.engine.base import Engine, EngineInfo
-from server.errors import StartupError
+from server.errors import ServiceError, StartupError
 from server.frontend import AccessDenied, AccessGate, ServerInfo
 from server.http_api import HttpApi
 from server.metrics import Metrics
@@ -222,7 +222,11 @@ class App:
         """Typical requests through the real path; ``/ready`` waits for them."""
         if self.settings.warmup:
             await self.engine_client.wait_ready()
-            await warm_up(self.engine_client)
+            try:
+                await warm_up(self.engine_client)
+            except ServiceError as exc:  # e.g. --max-queue 0: nothing could be served anyway
+                log.error("warm-up failed, /ready stays 503: %s", exc.message)
+                return
         self.warmed_up.set()
 
     # --- state -----------------------------------------------------------------------------

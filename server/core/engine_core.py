@@ -67,7 +67,7 @@ class EngineCore:
     ) -> None:
         self._engine_factory = engine_factory
         self._policy = SchedulingPolicy(config)
-        self._emit = emit
+        self._sink = emit
         self._metrics = metrics
         self._warmup = warmup
         self._clock = clock
@@ -76,7 +76,12 @@ class EngineCore:
         self._stop = False
         self._adds_taken = 0
         self._published: Capacity | None = None
+        self._last_emit = clock()
         self.engine: Engine | None = None  # set on the loop thread once loaded (tests read it)
+
+    def _emit(self, events: list[CoreEvent]) -> None:
+        self._last_emit = self._clock()
+        self._sink(events)
 
     def send(self, command: Command) -> None:
         """Queue a command (any thread); the loop takes it in before its next step."""
@@ -149,7 +154,7 @@ class EngineCore:
             outcome = self._run(engine, batch, events)
             events += self._policy.update(batch, outcome, self._clock())
         self._publish(events)
-        if not commands and batch.idle and batch.wait_until is None:
+        if self._clock() - self._last_emit >= HEARTBEAT_S:  # idle, or probing an open breaker
             self._emit([Heartbeat()])
         if not batch.idle:
             return 0.0
