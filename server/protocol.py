@@ -170,7 +170,7 @@ def parse_client_message(raw: str | bytes) -> ClientMessage:
     try:
         return _decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        raise ProtocolError("bad_request", _describe(exc), name=_stream_id_of(raw)) from None
+        raise ProtocolError("bad_request", _describe(exc), name=_name_of(raw)) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
 
@@ -185,7 +185,7 @@ def _describe(exc: msgspec.ValidationError) -> str:
 _TYPES: Final = ("start", "cancel", "append", "flush", "end", "resume")
 
 
-def _stream_id_of(raw: str) -> str | None:
+def _name_of(raw: str) -> str | None:
     """Best-effort ``id`` of an invalid message, so the error can name the stream."""
     try:
         value = _probe.decode(raw).get("id")
