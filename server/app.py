@@ -57,6 +57,8 @@ def policy_config(settings: Settings) -> PolicyConfig:
         max_wait_s=settings.max_wait_ms / 1000,
         max_queue=settings.max_queue,
         lookahead=settings.segment_lookahead,
+        breaker_threshold=settings.breaker_threshold,
+        breaker_probe_interval_s=settings.breaker_probe_s,
     )
 
 

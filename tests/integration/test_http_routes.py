@@ -67,7 +67,7 @@ async def test_health_fails_when_the_inference_thread_is_gone(make_app: Any) -> 
 async def test_breaker_fails_ready_until_a_probe_succeeds(make_app: Any) -> None:
     from tests.wsclient import collect, open_client, start
 
-    app = await make_app()
+    app = await make_app("--breaker-probe-s", "0.2")
     await app.warmed_up.wait()
     engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
