@@ -66,7 +66,7 @@ async def test_text_frames_in_audio_frames_out_equal_the_websocket_stream(app: A
 
 async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> None:
     app = await make_app("--fake-step-ms", "100", "--cache-bytes", "0")
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     tts = ChatTTSStreamTTSService(url=url(app), seed=3)
     long_sentence = "This one long sentence keeps the engine busy for many blocks, " * 12 + "and then ends."
