@@ -6,7 +6,6 @@ import asyncio
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -24,19 +23,18 @@ async def test_serve_without_weights_offline_fails_fast_with_one_actionable_line
         "HOME": str(tmp_path),
         "CHATTTS_CACHE_DIR": str(tmp_path / "c"),
     }
-    started = time.monotonic()
     proc = await spawn_server(
         *("--engine", "chattts", "--port", str(free_port())),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(240):  # a bound for a loaded machine, not a speed claim
         _, stderr = await proc.communicate()
     assert proc.returncode == 2
-    assert time.monotonic() - started < 30  # no download retries
     last = stderr.decode().strip().splitlines()[-1]
     assert last.startswith("chattts-stream: ") and "--model-dir" in last
+    assert "HF_HUB_OFFLINE" in last  # it failed on the offline check: no download was tried
     assert "Traceback" not in stderr.decode() and "terminate called" not in stderr.decode()
 
 
