@@ -1,7 +1,8 @@
 """The server process: start-up, serving, drain and shutdown, each one readable sequence.
 
 ``App`` is the composition root: it builds the engine client, the service and
-the front ends (WebSocket ``connection``, OpenAI-compatible ``http_api``) and
+the front ends (WebSocket ``connection``, OpenAI-compatible ``http_api``,
+Wyoming ``wyoming_api``) and
 hands each what it needs; nothing reaches back into it. :meth:`App.start`
 and :meth:`App.stop` read top to bottom as the steps they take.
 """
@@ -29,6 +30,7 @@ from server.metrics import Metrics
 from server.routes import STREAM_PATH, Probes, Routes
 from server.service import SpeechService
 from server.warmup import warm_up
+from server.wyoming_api import WyomingServer, exposure_problem
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class App:
         self.connections: set[Connection] = set()
         self.warmed_up = asyncio.Event()
         self.http: HttpApi | None = None  # the OpenAI-compatible API, when its port is open
+        self.wyoming: WyomingServer | None = None  # the Wyoming server, when --wyoming-port is set
         self._gate: AccessGate | None = None
         self._info: ServerInfo | None = None
         self._sockets: list[socket.socket] = []
@@ -89,12 +92,13 @@ class App:
     async def start(self) -> None:
         """Start up; on any failure, undo what was started and raise.
 
-        1. Read the API keys (``--api-keys-file``).
-        2. Bind the WebSocket port and the HTTP port, so that a busy port fails
+        1. Read the API keys (``--api-keys-file``); refuse an unauthenticated Wyoming
+           port on a public interface while keys are set.
+        2. Bind the WebSocket, HTTP and Wyoming ports, so that a busy port fails
            before minutes of model loading (nothing is accepted yet).
         3. Load the engine on the inference thread; its warm-up follows there.
         4. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
-        5. Serve WebSocket and HTTP on the bound sockets.
+        5. Serve WebSocket, HTTP and Wyoming on the bound sockets.
 
         Raises:
             StartupError: one line naming the cause and the flag.
@@ -102,8 +106,12 @@ class App:
         s = self.settings
         try:
             self._gate = AccessGate.from_settings(s)
+            problem = exposure_problem(s, self._gate.api_keys.required)
+            if problem is not None:
+                raise StartupError(problem)
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
+            wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
             info = await self.engine_client.start()
             self._info = server_info(s, info)
             self.service.start()
@@ -122,6 +130,9 @@ class App:
             if http_sock is not None:
                 self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics)
                 await self.http.start(http_sock)
+            if wyoming_sock is not None:
+                self.wyoming = WyomingServer(self.service, self._info, s, self.metrics)
+                await self.wyoming.start(wyoming_sock)
         except BaseException:
             await self.stop()
             raise
@@ -130,7 +141,8 @@ class App:
     async def stop(self) -> None:
         """Shut down (also after a failed start), in order.
 
-        1. Stop the warm-up requests and the HTTP API (running responses are cut).
+        1. Stop the warm-up requests, the HTTP API and the Wyoming server (running
+           responses are cut).
         2. Stop listening, close every WebSocket connection with 1012.
         3. Free every stream (their generation stops), stop the encoder threads.
         4. Stop the inference loop after its current step; it closes the engine.
@@ -140,6 +152,8 @@ class App:
             await asyncio.gather(self._warmup_task, return_exceptions=True)
         if self.http is not None:
             await self.http.stop()
+        if self.wyoming is not None:
+            await self.wyoming.stop()
         if self._server is not None:
             self._server.close(close_connections=False)
             for conn in list(self.connections):
@@ -159,6 +173,8 @@ class App:
         log.info("draining: %d active streams, up to %.0f s", registry.busy(), self.settings.drain_timeout_s)
         for conn in list(self.connections):
             await conn.close_if_idle()
+        if self.wyoming is not None:
+            await self.wyoming.close_idle()
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 # The condition spans every stream's state; polling it during a drain is cheap.
@@ -243,6 +259,11 @@ class App:
     def http_port(self) -> int | None:
         """The bound HTTP API port; None while it is off."""
         return self.http.port if self.http is not None else None
+
+    @property
+    def wyoming_port(self) -> int | None:
+        """The bound Wyoming port; None while it is off."""
+        return self.wyoming.port if self.wyoming is not None else None
 
     @property
     def draining(self) -> bool:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "CHATTTS_"
+#: The server's version (``hello.server``, the Wyoming ``info``).
+VERSION = "0.1.0"
 
 
 def _opt(default: Any, help_text: str, *, choices: Sequence[str] | None = None) -> Any:
@@ -32,6 +34,17 @@ class Settings:
         -1,
         "TCP port of the OpenAI-compatible HTTP API (/v1/audio/speech); "
         "-1: --port + 1 (ephemeral when --port is 0), 0: off",
+    )
+    wyoming_port: int = _opt(
+        0, "TCP port of the Wyoming server for Home Assistant (no API keys there); 0: off, -1: any free port"
+    )
+    wyoming_seed: int = _opt(
+        0, "sampling seed of every Wyoming request: the same text and voice give the same audio (-1: random)"
+    )
+    wyoming_allow_unauthenticated: bool = _opt(
+        False,
+        "serve Wyoming on a non-loopback --host although API keys are set (Wyoming has no keys: "
+        "firewall the port or keep it on a private network)",
     )
     engine: str = _opt("chattts", "inference engine: ChatTTS or the test engine", choices=("chattts", "fake"))
     model_dir: str = _opt("", "ChatTTS asset folder; empty = fetch the official weights once into the cache")
@@ -109,7 +122,7 @@ class Settings:
     @property
     def server_name(self) -> str:
         """The ``server`` field of ``hello``."""
-        return f"chattts-stream/0.1.0 ({self.engine})"
+        return f"chattts-stream/{VERSION} ({self.engine})"
 
 
 def _env_name(name: str) -> str:

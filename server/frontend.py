@@ -11,10 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from server.config import Settings
 from server.errors import StartupError
 from server.limits import ApiKeys, client_identity, client_ip, origin_allowed, presented_key
+
+#: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres);
+#: the OpenAI-compatible endpoint and the Wyoming server take these names.
+_SEEDED = "ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()  # noqa: SIM905
+OPENAI_VOICES: Final = {"alloy": "default"} | {name: f"seed:{n}" for n, name in enumerate(_SEEDED, start=11)}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler
 
 from server.config import Settings
 from server.errors import ServiceError
-from server.frontend import AccessDenied, AccessGate, ServerInfo
+from server.frontend import OPENAI_VOICES, AccessDenied, AccessGate, ServerInfo
 from server.metrics import Metrics
 from server.outbox import Failure, Frame, OutItem
 from server.protocol import Seed, Temperature, TopK, TopP, code_of
@@ -49,9 +49,6 @@ FORMATS: Final = {
 }
 #: OpenAI's default. (``aac`` is not produced: see docs/protocol.md, Formats.)
 DEFAULT_FORMAT: Final = "mp3"
-#: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres).
-_SEEDED = "ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()  # noqa: SIM905
-OPENAI_VOICES: Final = {"alloy": "default"} | {name: f"seed:{n}" for n, name in enumerate(_SEEDED, start=11)}
 #: Model names accepted (any string is; these are advertised). All are the same ChatTTS model.
 MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).

@@ -22,7 +22,8 @@ from server.audio.pcm import to_pcm16
 from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
 from server.errors import StartupError
-from server.http_api import OPENAI_VOICES, wav_header
+from server.frontend import OPENAI_VOICES
+from server.http_api import wav_header
 from server.text import split_segments
 from tests.integration.conftest import fake_settings
 from tests.wsclient import collect, open_client, start
