@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 from server import protocol
-from server.app import policy_config, server_info
-from server.config import load_settings
+from server.app import server_info
 from server.connection_protocol import (
     Action,
     Attachment,
@@ -26,35 +24,12 @@ from server.connection_protocol import (
     StartPump,
     StopPump,
 )
-from server.core.client import EngineClient
-from server.engine.fake import FAIL_MARKER, FakeEngine
+from server.engine.fake import FAIL_MARKER
 from server.errors import EngineFailed
-from server.metrics import Metrics
 from server.outbox import Done, Failure, Frame, OutItem, SegmentMark
 from server.service import SpeechService
 from server.stream import StreamState
-
-MakeService = Callable[..., Any]
-
-
-@pytest.fixture
-async def make_service() -> AsyncIterator[MakeService]:
-    """Services with extra flags over a live fake engine; all stopped at the end."""
-    started: list[tuple[SpeechService, EngineClient]] = []
-
-    async def make(*flags: str) -> SpeechService:
-        settings = load_settings(["--engine", "fake", "--no-warmup", *flags], env={})
-        metrics = Metrics()
-        client = EngineClient(FakeEngine, config=policy_config(settings), metrics=metrics, warmup=False)
-        await client.start()
-        service = SpeechService(settings, client, metrics)
-        started.append((service, client))
-        return service
-
-    yield make
-    for service, client in started:
-        await service.stop()
-        await client.stop()
+from tests.unit.conftest import MakeService
 
 
 def connect(service: SpeechService, client: str = "ip:1") -> ConnectionProtocol:
