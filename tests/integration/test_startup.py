@@ -72,6 +72,20 @@ async def test_neighbouring_servers_collide_on_an_explicit_http_port() -> None:
     assert_one_line(code, lines, f"127.0.0.1:{port}", "(--http-port)")
 
 
+async def test_wyoming_port_in_use() -> None:
+    blocker, port = listening_socket()
+    with blocker:
+        code, lines = await failed_start("--port", str(free_port()), "--wyoming-port", str(port))
+    assert_one_line(code, lines, f"127.0.0.1:{port}", "(--wyoming-port)", "in use")
+
+
+async def test_api_keys_beside_a_public_wyoming_port() -> None:
+    code, lines = await failed_start(
+        "--port", str(free_port()), "--host", "0.0.0.0", "--api-keys", "k", "--wyoming-port", str(free_port())
+    )
+    assert_one_line(code, lines, "--wyoming-allow-unauthenticated", "--host 0.0.0.0")
+
+
 async def test_unreadable_api_keys_file(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-keys.txt"
     code, lines = await failed_start("--port", str(free_port()), "--api-keys-file", str(missing))

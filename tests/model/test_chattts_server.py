@@ -11,6 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from wyoming.audio import AudioChunk, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 import chattts_stream_client as cs
 from server.app import App
@@ -43,6 +46,8 @@ async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
             "0",
             "--resume-ttl-s",
             "30",
+            "--wyoming-port",
+            "-1",
         ],
         env={},
     )
@@ -107,6 +112,29 @@ async def test_incremental_text_with_the_tiny_model(model_app: App) -> None:
     assert [s["text"] for s in log.segments] == [s["text"] for s in once.segments]
     assert log.done is not None and log.done["reason"] == "complete"
     assert log.payload == once.payload
+
+
+async def test_wyoming_with_the_tiny_model(model_app: App) -> None:
+    """Home Assistant's two forms over the real model: the WebSocket stream's bytes (same seed)."""
+    assert model_app.wyoming_port is not None
+    reference = await raw_stream(model_app.port, text=TEXT, seed=0, format="pcm16")
+    expected = b"".join(data for _, _, _, data in reference[0])
+    pieces = ["第一句", "话在这里。", "The second ", "sentence is here. ", "第三句话", "结束了。"]
+    for streaming in (False, True):
+        client = AsyncTcpClient("127.0.0.1", model_app.wyoming_port, connect_timeout=10, read_timeout=120)
+        async with client:
+            if streaming:
+                await client.write_event(SynthesizeStart().event())
+                for piece in pieces:
+                    await client.write_event(SynthesizeChunk(piece).event())
+                await client.write_event(SynthesizeStop().event())
+            else:
+                await client.write_event(Synthesize(TEXT).event())
+            audio, last = b"", SynthesizeStopped if streaming else AudioStop
+            while (event := await client.read_event()) is not None and not last.is_type(event.type):
+                assert event.type in ("audio-start", "audio-chunk", "audio-stop"), event
+                audio += AudioChunk.from_event(event).audio if AudioChunk.is_type(event.type) else b""
+        assert event is not None and audio == expected and len(audio) > 0
 
 
 def _tokens(app: App) -> int:
