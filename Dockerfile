@@ -5,11 +5,15 @@
 #   docker build --target gpu -t chattts-stream:gpu .   # NVIDIA GPU (CUDA torch wheel)
 #   docker build --target cpu -t chattts-stream:cpu .   # CPU only (small CPU torch wheel)
 #
-#   docker run --gpus all -p 8080:8080 -p 8081:8081 -v chattts-models:/models chattts-stream:gpu
+#   docker run --gpus all -p 8080:8080 -p 8081:8081 -p 10200:10200 -v chattts-models:/models chattts-stream:gpu
 #   docker run -p 8080:8080 -p 8081:8081 -v chattts-models:/models chattts-stream:cpu --dev-model tiny
 #
 # Ports: 8080 = WebSocket /v1/stream, /health, /ready, /metrics and the demo page;
-# 8081 = the OpenAI-compatible HTTP API (/v1/audio/speech, /v1/models, /v1/audio/voices).
+# 8081 = the OpenAI-compatible HTTP API (/v1/audio/speech, /v1/models, /v1/audio/voices);
+# 10200 = Wyoming for Home Assistant (the port Home Assistant's Wyoming integration expects
+# for TTS). Wyoming has no API keys: with CHATTTS_API_KEYS set the server refuses to open it
+# on 0.0.0.0 unless CHATTTS_WYOMING_ALLOW_UNAUTHENTICATED=true says a firewall guards it
+# (or CHATTTS_WYOMING_PORT=0 turns it off).
 # CHATTTS_HTTP_PORT is set explicitly: with an explicit port a bind failure stops the
 # server, where the default (-1 = port + 1) would only log a warning and run without it.
 #
@@ -105,10 +109,11 @@ ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
     CHATTTS_HTTP_PORT=8081 \
+    CHATTTS_WYOMING_PORT=10200 \
     CHATTTS_CACHE_DIR=/models \
     CHATTTS_DEVICE=cpu
 VOLUME ["/models"]
-EXPOSE 8080 8081
+EXPOSE 8080 8081 10200
 USER 10001:10001
 STOPSIGNAL SIGTERM
 # Liveness: /health (200 while the inference loop runs). Model load (and the first
@@ -134,10 +139,11 @@ ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
     CHATTTS_HTTP_PORT=8081 \
+    CHATTTS_WYOMING_PORT=10200 \
     CHATTTS_CACHE_DIR=/models \
     CHATTTS_DEVICE=cuda
 VOLUME ["/models"]
-EXPOSE 8080 8081
+EXPOSE 8080 8081 10200
 USER 10001:10001
 STOPSIGNAL SIGTERM
 # Liveness: /health (200 while the inference loop runs). Model load (and the first

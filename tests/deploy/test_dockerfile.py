@@ -25,6 +25,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server.config import Settings, load_settings
+from server.wyoming_api import exposure_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -262,8 +263,13 @@ def test_final_stage_runtime_properties(target: str) -> None:
     # start (the default -1 only logs a warning and runs without the HTTP API).
     assert int(env["CHATTTS_HTTP_PORT"]) > 0
     assert http_api_port(settings) != port
-    # Both, and only, the ports the server listens on.
-    assert sorted(exposed_ports(final)) == sorted({port, http_api_port(settings)})
+    # Wyoming (Home Assistant) on its usual port, explicit; with no API keys in the image
+    # the server opens it on 0.0.0.0 (keys would need CHATTTS_WYOMING_ALLOW_UNAUTHENTICATED).
+    assert settings.wyoming_port == int(env["CHATTTS_WYOMING_PORT"]) > 0
+    assert exposure_problem(settings, keys_required=False) is None
+    assert exposure_problem(settings, keys_required=True) is not None
+    # All, and only, the ports the server listens on.
+    assert sorted(exposed_ports(final)) == sorted({port, http_api_port(settings), settings.wyoming_port})
     assert env["CHATTTS_CACHE_DIR"] == "/models"
     assert any("/models" in v for v in final.values("VOLUME"))
     assert "/models" in runs(final), "the volume's mount point must exist, owned by the user"
@@ -372,11 +378,12 @@ def test_port_agrees_with_the_kubernetes_deployment() -> None:
         assert sorted(exposed_ports(STAGES[target])) == sorted(ports)
         # The pod and the image listen on the same ports, under the same names.
         env = effective_env(target)
-        for var in ("CHATTTS_PORT", "CHATTTS_HTTP_PORT"):
+        for var in ("CHATTTS_PORT", "CHATTTS_HTTP_PORT", "CHATTTS_WYOMING_PORT"):
             assert pod_env.get(var, env[var]) == env[var], var
         settings = image_settings(target)
         assert named["http"] == settings.port
         assert named["http-api"] == http_api_port(settings)
+        assert named["wyoming"] == settings.wyoming_port
         # The image runs as the uid the pod's securityContext names.
         uid = int(STAGES[target].values("USER")[-1].split(":")[0])
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid

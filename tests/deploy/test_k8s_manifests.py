@@ -5,8 +5,9 @@ Every manifest is validated against the Kubernetes OpenAPI schemas that the
 network blocked to prove it stays offline; then the things a schema cannot
 see are checked across files: probes, shutdown timing, the HPA's target and
 metrics, the ingress hash key, which port each public path reaches (WebSocket
-and the OpenAI-compatible HTTP API), the API-key Secret, client IPs behind the
-ingress, selectors, and the CHATTTS_* settings.
+and the OpenAI-compatible HTTP API), the Wyoming port (in-cluster, guarded by a
+NetworkPolicy), the API-key Secret, client IPs behind the ingress, selectors,
+and the CHATTTS_* settings.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from server.config import Settings, load_settings
 from server.errors import StartupError
 from server.frontend import read_api_keys
 from server.metrics import Metrics
+from server.wyoming_api import exposure_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -90,6 +92,12 @@ def http_api_port() -> int:
     s = settings()
     assert s.http_port != 0, "CHATTTS_HTTP_PORT=0 turns the OpenAI-compatible HTTP API off"
     return s.http_port if s.http_port > 0 else s.port + 1
+
+
+def wyoming_port() -> int:
+    port = settings().wyoming_port
+    assert port > 0, "CHATTTS_WYOMING_PORT: Wyoming (Home Assistant) is off, or on a random port"
+    return port
 
 
 def ingresses() -> list[Doc]:
@@ -315,7 +323,10 @@ def test_http_api_port_is_a_named_container_port_and_matches_the_setting() -> No
     assert ports["http"] == ws_port()
     assert ports["http-api"] == http_api_port()
     assert http_api_port() != ws_port()
-    assert sorted(ports.values()) == sorted({ws_port(), http_api_port()}), "a port the server does not bind"
+    assert ports["wyoming"] == wyoming_port()
+    assert sorted(ports.values()) == sorted({ws_port(), http_api_port(), wyoming_port()}), (
+        "a port the server does not bind"
+    )
     assert all(p["protocol"] == "TCP" for p in container()["ports"])
 
 
@@ -373,9 +384,9 @@ def test_service_selects_the_pods_and_targets_the_container_port() -> None:
     port_numbers = {p["containerPort"] for p in container()["ports"]}
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in port_names | port_numbers
-    # Both server ports are reachable through the Service (the HTTP API too).
+    # Every server port is reachable through the Service (the HTTP API and Wyoming too).
     targets = {service_port_target(p) for p in service["spec"]["ports"]}
-    assert {ws_port(), http_api_port()} <= targets
+    assert {ws_port(), http_api_port(), wyoming_port()} <= targets
 
 
 def stream_ingress() -> Doc:
@@ -485,6 +496,33 @@ def test_http_api_ingress_streams_and_does_not_hash() -> None:
         assert ingress["spec"]["ingressClassName"] == stream["spec"]["ingressClassName"]
         assert {r["host"] for r in ingress["spec"]["rules"]} == {r["host"] for r in stream["spec"]["rules"]}
         assert ingress["spec"]["tls"] == stream["spec"]["tls"]
+
+
+def test_the_wyoming_port_is_in_cluster_only_and_guarded_by_a_network_policy() -> None:
+    """Wyoming has no API keys and the pods use keys: the explicit flag is set, the network guards it."""
+    assert settings().api_keys_file, "the pods use API keys"
+    assert exposure_problem(settings(), keys_required=True) is None, "the server would refuse to start"
+    # No Ingress reaches it (raw TCP; ingress-nginx routes HTTP paths).
+    assert all(service_port_target(backend["port"]) != wyoming_port() for _, _, _, backend in ingress_paths())
+    policy = one("NetworkPolicy")
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    names = container_ports()
+
+    def ports_of(rule: Doc) -> set[int]:
+        return {names[p["port"]] if isinstance(p["port"], str) else int(p["port"]) for p in rule["ports"]}
+
+    rules = policy["spec"]["ingress"]
+    # The WebSocket and HTTP API ports stay open to every source (ingress, Prometheus).
+    open_rules = [r for r in rules if not r.get("from")]
+    assert {ws_port(), http_api_port()} <= set().union(*(ports_of(r) for r in open_rules))
+    # Wyoming only from labelled pods: never in a rule without `from`, never from everywhere.
+    wyoming_rules = [r for r in rules if wyoming_port() in ports_of(r)]
+    assert wyoming_rules and all(r.get("from") for r in wyoming_rules)
+    for rule in wyoming_rules:
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer and peer["podSelector"]["matchLabels"], peer
 
 
 def test_pdb_selects_the_pods_and_allows_one_eviction() -> None:
