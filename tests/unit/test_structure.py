@@ -59,6 +59,8 @@ def test_the_engine_side_knows_no_wire_protocol_and_no_front_end() -> None:
         "server.connection",
         "server.connection_protocol",
         "server.http_api",
+        "server.wyoming_api",
+        "server.wyoming_session",
         "server.app",
     }
     for module, deps in graph.items():
@@ -68,7 +70,8 @@ def test_the_engine_side_knows_no_wire_protocol_and_no_front_end() -> None:
 
 def test_front_ends_do_not_reach_back_into_the_app() -> None:
     graph = imports()
-    for module in ("server.connection", "server.connection_protocol", "server.http_api", "server.service"):
+    front_ends = ("server.connection", "server.connection_protocol", "server.http_api")
+    for module in (*front_ends, "server.wyoming_api", "server.wyoming_session", "server.service"):
         assert "server.app" not in graph[module]
 
 
