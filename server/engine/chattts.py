@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from server.engine.base import (
 )
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
 from server.engine.chattts_batch import (
+    MIN_TEMPERATURE,
     PENALTY_WINDOW,
     GrowLayer,
     RowGroup,
@@ -49,14 +50,19 @@ from server.engine.chattts_batch import (
     sample_codes,
 )
 from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
+from server.engine.chattts_text import ChatTTSText
 from server.engine.chattts_voice import VoiceBank, speed_token
-from server.normalize import speakable
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WARMUP_ID = -(1 << 62)
+
+#: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
+#: sequence accepted in one step (EOS excluded), on the CPU: what native ``infer`` calls ``ids``
+#: and ``hiddens``. Tests compare them with ChatTTS's own generation (tests/model/test_native_equivalence.py).
+TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -151,8 +157,11 @@ class ChatTTSEngine:
             self._code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
         self.voices = VoiceBank(chat.speaker, self.hidden_size, default_voice=default_voice)
+        self.text = ChatTTSText(chat.normalizer)
         self._seqs: dict[int, _Seq] = {}
         self._groups: list[RowGroup] = []
+        #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
+        self.token_tap: TokenTap | None = None
         extra = {
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
@@ -251,9 +260,13 @@ class ChatTTSEngine:
         return self.voices.resolve(voice) is not None
 
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
-        """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt)."""
+        """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
+
+        ``text`` is the user's segment; it goes through :class:`ChatTTSText` (our number
+        speller, then ChatTTS's own normalizer) first.
+        """
         decorated: list[str] = self._chat.speaker.decorate_code_prompts(
-            [speakable(text)], speed_token(params.speed), None, "spk"
+            [self.text.model_text(text)], speed_token(params.speed), None, "spk"
         )
         return decorated[0]
 
@@ -395,7 +408,7 @@ class ChatTTSEngine:
         p = [s.request.params for s in rows]
         dev = self.device
         return RowSampling(
-            temperature=torch.tensor([max(1e-5, x.temperature) for x in p], device=dev),
+            temperature=torch.tensor([max(MIN_TEMPERATURE, x.temperature) for x in p], device=dev),
             top_p=torch.tensor([min(1.0, max(0.0, x.top_p)) for x in p], device=dev),
             top_k=torch.tensor([max(1, x.top_k) for x in p], device=dev, dtype=torch.long),
             suppress_eos=torch.tensor([s.tokens < self.min_tokens for s in rows], device=dev),
@@ -407,6 +420,7 @@ class ChatTTSEngine:
         block = min(self.block_schedule[min(s.blocks, len(self.block_schedule) - 1)] for s in rows)
         produced = [0] * len(rows)
         pending: list[list[torch.Tensor]] = [[] for _ in rows]
+        pending_codes: list[list[torch.Tensor]] = [[] for _ in rows]
         for _ in range(block):
             if all(s.finished for s in rows):
                 break
@@ -433,6 +447,7 @@ class ChatTTSEngine:
                     continue
                 if keep[i]:
                     pending[i].append(group.hidden[i : i + 1])
+                    pending_codes[i].append(codes_cpu[i])
                     s.tokens += 1
                     produced[i] += 1
                 s.finished = not alive[i]
@@ -443,6 +458,9 @@ class ChatTTSEngine:
             s.blocks += 1
             if pending[i]:
                 s.decoder.push(torch.cat(pending[i]))
+                if self.token_tap is not None:
+                    codes_i, hidden_i = torch.stack(pending_codes[i]), torch.cat(pending[i]).cpu()
+                    self.token_tap(s.request.seq_id, codes_i, hidden_i)
             audio = s.decoder.pull(final=s.finished)
             results.append(
                 StepResult(seq_id=s.request.seq_id, audio=audio, tokens=produced[i], finished=s.finished)

@@ -19,6 +19,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 #: Repetition-penalty window of ChatTTS's ``CustomRepetitionPenaltyLogitsProcessorRepeat``.
 PENALTY_WINDOW = 16
+#: Only guards the division: ChatTTS divides by any positive temperature, so near-greedy
+#: settings (1e-12) must reach the logits unchanged to stay token-identical to it.
+MIN_TEMPERATURE = 1e-30
 #: HF's top-p/top-k warpers as ChatTTS builds them keep at least this many tokens.
 MIN_TOKENS_TO_KEEP = 3
 
@@ -204,34 +207,31 @@ class RowSampling:
     suppress_eos: torch.Tensor
 
 
-def sample_codes(
+def code_probabilities(
     logits: torch.Tensor,
     history: torch.Tensor,
     sampling: RowSampling,
-    uniforms: torch.Tensor,
     *,
     eos: int,
     repetition_penalty: float,
 ) -> torch.Tensor:
-    """Draw the next code of every stream of every row, ChatTTS-style.
+    """The distribution each stream's next code is drawn from, ChatTTS-style.
 
     The order matches ChatTTS's ``GPT.generate`` for audio codes: divide by
     temperature, repetition penalty over the last 16 codes, top-p, top-k
     (HF warpers, at least 3 tokens kept), EOS banned below the minimum
-    length, softmax, then one draw. The draw inverts the CDF at
-    ``uniforms`` (drawn from each row's own generator), so a row's result
-    does not depend on the other rows' random state.
+    length, softmax. ``tests/model/test_native_equivalence.py`` holds it
+    equal to ChatTTS's own processors.
 
     Args:
         logits: ``(B, num_vq, V)`` float32.
         history: ``(B, num_vq, W)`` recent codes; value ``V`` marks an empty slot.
         sampling: per-row settings.
-        uniforms: ``(B, num_vq)`` in ``[0, 1)``.
         eos: the end code (``V - 1``).
         repetition_penalty: ChatTTS default 1.05.
 
     Returns:
-        ``(B, num_vq)`` long codes.
+        ``(B * num_vq, V)`` probabilities, row ``b * num_vq + q`` for stream ``q`` of row ``b``.
     """
     b, q, v = logits.shape
     x = logits / sampling.temperature.view(b, 1, 1)
@@ -254,7 +254,36 @@ def sample_codes(
     x = x.masked_fill(x < kth, float("-inf"))
     ban = sampling.suppress_eos.repeat_interleave(q)
     x[:, eos] = torch.where(ban, torch.full_like(x[:, eos], float("-inf")), x[:, eos])
-    probs = x.softmax(dim=-1)
+    return x.softmax(dim=-1)
+
+
+def sample_codes(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    sampling: RowSampling,
+    uniforms: torch.Tensor,
+    *,
+    eos: int,
+    repetition_penalty: float,
+) -> torch.Tensor:
+    """Draw the next code of every stream of every row from :func:`code_probabilities`.
+
+    The draw inverts the CDF at ``uniforms`` (drawn from each row's own
+    generator), so a row's result does not depend on the other rows' random state.
+
+    Args:
+        logits: ``(B, num_vq, V)`` float32.
+        history: ``(B, num_vq, W)`` recent codes; value ``V`` marks an empty slot.
+        sampling: per-row settings.
+        uniforms: ``(B, num_vq)`` in ``[0, 1)``.
+        eos: the end code (``V - 1``).
+        repetition_penalty: ChatTTS default 1.05.
+
+    Returns:
+        ``(B, num_vq)`` long codes.
+    """
+    b, q, v = logits.shape
+    probs = code_probabilities(logits, history, sampling, eos=eos, repetition_penalty=repetition_penalty)
     cdf = probs.cumsum(dim=-1)
     u = uniforms.reshape(b * q, 1).to(cdf.dtype) * cdf[:, -1:]
     codes = (cdf <= u).sum(dim=-1).clamp(max=v - 1)
