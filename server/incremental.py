@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from server import tags
 from server.protocol import Append, End, Flush, ProtocolError
 from server.scheduler import ScheduledStream
 from server.text import TextBuffer
@@ -40,6 +41,7 @@ class TextFeed:
 
     def first(self, text: str) -> list[str]:
         """Segments of the text that came with ``start`` (submitted with the stream)."""
+        self._check_tags(text, open_end=True)
         self._count(text)
         segments = self.buffer.append(text)
         self._arm()
@@ -57,6 +59,7 @@ class TextFeed:
     def append(self, text: str) -> None:
         """More text. Raises ProtocolError (``bad_request``, ``text_too_long``)."""
         self._check_open()
+        self._check_tags(self.buffer.pending + text, open_end=True)
         self._count(text)
         if len(self.buffer.pending) + len(text) > self.max_pending_chars:
             raise ProtocolError(
@@ -70,12 +73,14 @@ class TextFeed:
     def flush(self) -> None:
         """Speak what is buffered now."""
         self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
 
     def end(self) -> None:
         """No more text: speak the rest, then the stream finishes."""
         self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
         self.ended = True
@@ -92,6 +97,12 @@ class TextFeed:
             raise ProtocolError(
                 "bad_request", f"stream {self.stream_id!r} already ended its text", stream_id=self.stream_id
             )
+
+    def _check_tags(self, text: str, *, open_end: bool) -> None:
+        """Control tags must be known; a tag may stay open only while more text can come."""
+        problem = tags.problem(text, open_end=open_end)
+        if problem is not None:
+            raise ProtocolError("bad_request", problem, stream_id=self.stream_id)
 
     def _count(self, text: str) -> None:
         if self.total_chars + len(text) > self.max_total_chars:

@@ -8,6 +8,9 @@ percentages and negative numbers: "2026年" → "二零二六年"); Latin text t
 Control tags (``[uv_break]``, ``[break_3]``: :mod:`server.tags`) are left exactly as they
 are: only the text between them is spelled out, so ``[break_3]`` never becomes ``[break_three]``.
 
+Latin letters with accents are folded to A-Z ("Café" → "Cafe"): ChatTTS's normalizer
+would delete them.
+
 Number words carry no hyphens or commas ("forty two", "one thousand two hundred"):
 ChatTTS's normalizer, which runs next, turns both into pauses.
 
@@ -19,6 +22,7 @@ number glued to a Latin word ("mp3") is spelled out after a space.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Final
 
 import cn2an
@@ -30,11 +34,32 @@ _CJK: Final = re.compile(r"[\u3400-\u9fff]")
 _NUMBER: Final = re.compile(r"(?<![\d.])(-?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(%?)")
 _EN_SYMBOLS: Final = {"&": " and ", "+": " plus ", "=": " equals ", "@": " at ", "#": " number "}
 _ZH_SYMBOLS: Final = {"&": "和", "+": "加", "=": "等于", "@": "艾特", "#": "井号"}
+#: Latin letters with diacritics (Latin-1 Supplement, Latin Extended-A/B).
+_ACCENTED: Final = re.compile(r"[\u00c0-\u024f]")
+_FOLD: Final = {
+    "Æ": "AE",
+    "æ": "ae",
+    "Ø": "O",
+    "ø": "o",
+    "ß": "ss",
+    "Œ": "OE",
+    "œ": "oe",
+    "Ð": "D",
+    "ð": "d",
+} | {
+    "Ł": "L",
+    "ł": "l",
+    "Đ": "D",
+    "đ": "d",
+    "Þ": "Th",
+    "þ": "th",
+}
 _DOLLARS: Final = re.compile(r"\$\s?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?")
 
 
 def speakable(text: str) -> str:
     """``text`` with numbers and common symbols written out in its language; tags kept as they are."""
+    text = _ACCENTED.sub(_fold_accent, text)
     chinese = _CJK.search(text) is not None
     spell = _chinese if chinese else _english
     parts: list[str] = []
@@ -45,6 +70,15 @@ def speakable(text: str) -> str:
     parts.append(spell(text[done:]))
     spoken = "".join(parts)
     return spoken if chinese else re.sub(r"\s{2,}", " ", spoken).strip()
+
+
+def _fold_accent(match: re.Match[str]) -> str:
+    """Fold "é" to "e": ChatTTS's normalizer deletes every letter outside A-Z ("Café" → "Caf")."""
+    char = match.group()
+    if char in _FOLD:
+        return _FOLD[char]
+    base = "".join(c for c in unicodedata.normalize("NFKD", char) if not unicodedata.combining(c))
+    return base if base.isascii() else char
 
 
 def _chinese(text: str) -> str:

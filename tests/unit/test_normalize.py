@@ -50,3 +50,8 @@ def test_number_words_have_no_pause_marks() -> None:
     """ChatTTS's normalizer turns "-" and "," into pauses, so number words must not carry them."""
     spoken = speakable("42 and 1,234,567 and 2026")
     assert "-" not in spoken and "," not in spoken
+
+
+def test_accented_latin_letters_are_folded_not_dropped() -> None:
+    assert speakable("Café naïve résumé, Ægir, Straße, Łódź.") == "Cafe naive resume, AEgir, Strasse, Lodz."
+    assert speakable("Ελληνικά 你好") == "Ελληνικά 你好"  # other scripts are left to ChatTTS's normalizer
