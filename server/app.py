@@ -88,6 +88,9 @@ class App:
     async def start(self) -> None:
         """Load the engine and listen (``/ready`` turns 200 after warm-up)."""
         await self.scheduler.start()
+        if self.scheduler.engine_info is not None:
+            info = self.scheduler.engine_info
+            self.metrics.engine.info({"name": info.name, **info.extra})
         self.service.start()
         self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
         s = self.settings
@@ -195,6 +198,7 @@ class App:
             max_text_chars=s.max_text_chars,
             max_streams=s.max_streams,
             resume_ttl_s=s.resume_ttl_s,
+            weights=self.scheduler.engine_info.extra.get("weights") if self.scheduler.engine_info else None,
         )
 
     @property

@@ -40,6 +40,12 @@ class Settings:
         "serve RANDOM weights of this size (made once in the cache) where the real ones cannot be had",
         choices=("", "tiny", "full"),
     )
+    verify_weights: str = _opt(
+        "official",
+        "official: refuse weights whose sha256 differ from ChatTTS's official map; none: load any folder "
+        "in ChatTTS's layout (fine-tuned checkpoints), logged and reported as unverified",
+        choices=("official", "none"),
+    )
     cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
     dtype: str = _opt("auto", "model precision", choices=("auto", "float32", "bfloat16", "float16"))

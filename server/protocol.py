@@ -172,9 +172,10 @@ def hello(
     max_text_chars: int,
     max_streams: int,
     resume_ttl_s: float,
+    weights: str | None = None,
 ) -> dict[str, Any]:
-    """The first message on every connection."""
-    return {
+    """The first message on every connection (``weights``: when the engine says what it loaded)."""
+    message: dict[str, Any] = {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
         "server": server,
@@ -186,6 +187,9 @@ def hello(
         "max_streams": max_streams,
         "resume_ttl_s": resume_ttl_s,
     }
+    if weights is not None:
+        message["weights"] = weights
+    return message
 
 
 def error(err: ProtocolError) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from server.engine.base import (
     Engine,
+    EngineInfo,
     EngineOutOfMemory,
     SequenceRequest,
     StepResult,
@@ -146,6 +147,7 @@ class Scheduler:
         self._waiting_count = 0
         self.seconds_per_block = 0.05
         self.engine_info_voices: tuple[str, ...] = ()
+        self.engine_info: EngineInfo | None = None  # set once the engine is built
 
     # --- lifecycle (event loop side) ---------------------------------------
 
@@ -248,6 +250,7 @@ class Scheduler:
         try:
             self._engine = self._engine_factory()
             self.engine_info_voices = self._engine.info.voices
+            self.engine_info = self._engine.info
         except BaseException as exc:  # reported to start()'s caller
             self.startup_error = exc
             loaded.set()

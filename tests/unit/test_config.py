@@ -33,3 +33,13 @@ def test_help_documents_every_flag_with_its_variable(capsys: pytest.CaptureFixtu
         ("--dev-model", "CHATTTS_DEV_MODEL"),
     ]:
         assert flag in out and env in out
+
+
+def test_verify_weights_defaults_to_official_and_takes_its_variable() -> None:
+    assert load_settings([], env={}).verify_weights == "official"
+    assert load_settings([], env={"CHATTTS_VERIFY_WEIGHTS": "none"}).verify_weights == "none"
+    assert load_settings(
+        ["--verify-weights", "official"], env={"CHATTTS_VERIFY_WEIGHTS": "none"}
+    ).verify_weights == ("official")
+    with pytest.raises(SystemExit):
+        load_settings(["--verify-weights", "sometimes"], env={})
