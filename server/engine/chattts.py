@@ -37,7 +37,7 @@ from server.engine.base import (
     StepResult,
     SynthesisParams,
 )
-from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
+from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts_batch import (
     MIN_TEMPERATURE,
     PENALTY_WINDOW,
@@ -50,6 +50,7 @@ from server.engine.chattts_batch import (
     sample_codes,
 )
 from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
+from server.engine.chattts_reference import CodePrompt, code_prompt
 from server.engine.chattts_text import ChatTTSText
 from server.engine.chattts_voice import VoiceBank, speed_token
 
@@ -90,7 +91,7 @@ class _Seq:
     request: SequenceRequest
     input_ids: torch.Tensor
     text_mask: torch.Tensor
-    speaker: torch.Tensor
+    speaker: torch.Tensor | None  # None: a voice from a recording ([empty_spk] + its codes)
     generator: torch.Generator
     decoder: StreamDecoder
     max_tokens: int
@@ -167,6 +168,7 @@ class ChatTTSEngine:
             "dtype": str(dtype).removeprefix("torch."),
             "model_dir": str(loaded.model_dir),
             "random_weights": "true" if loaded.random_weights else "false",
+            "weights": loaded.weights,
         }
         self._info = EngineInfo(
             name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=extra
@@ -187,6 +189,7 @@ class ChatTTSEngine:
         num_threads: int | None = None,
         cache_dir: Path | None = None,
         download_timeout_s: float = 5.0,
+        verify_weights: Verify = "official",
         block_schedule: Sequence[int] = (8, 16, 32),
         default_voice: str = "seed:2",
         context_tokens: int = 16,
@@ -207,6 +210,8 @@ class ChatTTSEngine:
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.
             download_timeout_s: hub timeout; offline fails within about this long.
+            verify_weights: ``"official"`` (hash-checked) or ``"none"`` (fine-tuned weights,
+                reported as unverified); see :func:`server.engine.chattts_assets.load_chat`.
             block_schedule: tokens per block for a sequence's 1st, 2nd, ... block (last repeats).
             default_voice: what voice ``"default"`` is (``seed:N`` or a speaker string).
             context_tokens: decode left context, tokens (see :mod:`server.engine.chattts_decode`).
@@ -224,7 +229,11 @@ class ChatTTSEngine:
             torch.set_num_threads(num_threads)
         dev = resolve_device(device)
         loaded = load_chat(
-            model_dir=model_dir, device=dev, cache_dir=cache_dir, download_timeout_s=download_timeout_s
+            model_dir=model_dir,
+            device=dev,
+            cache_dir=cache_dir,
+            download_timeout_s=download_timeout_s,
+            verify=verify_weights,
         )
         return cls(
             loaded,
@@ -263,23 +272,24 @@ class ChatTTSEngine:
         """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
 
         ``text`` is the user's segment; it goes through :class:`ChatTTSText` (our number
-        speller, then ChatTTS's own normalizer) first.
+        speller, then ChatTTS's own normalizer) first. A voice from a recording reads
+        ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts_reference`).
         """
-        decorated: list[str] = self._chat.speaker.decorate_code_prompts(
-            [self.text.model_text(text)], speed_token(params.speed), None, "spk"
-        )
-        return decorated[0]
+        return self._code_prompt(text, params).text
+
+    def _code_prompt(self, text: str, params: SynthesisParams) -> CodePrompt:
+        voice = self.voices.resolve(params.voice)
+        if voice is None:
+            raise EngineError(f"unknown voice {params.voice!r}")
+        speed = speed_token(params.speed)
+        return code_prompt(self._chat, self.text.model_text(text), speed, voice, device=self.device)
 
     def add(self, request: SequenceRequest) -> None:
         """Tokenize and register a sequence; its prefill runs inside the next step that names it."""
         if request.seq_id in self._seqs:
             raise EngineError(f"sequence {request.seq_id} already exists")
-        spk = self.voices.resolve(request.params.voice)
-        if spk is None:
-            raise EngineError(f"unknown voice {request.params.voice!r}")
-        input_ids, _, text_mask = self._chat.tokenizer.encode(
-            [self.prompt_text(request.text, request.params)], self.num_vq, device=self.device
-        )
+        prompt = self._code_prompt(request.text, request.params)
+        input_ids, text_mask = prompt.input_ids, prompt.text_mask
         room = self._max_positions - int(input_ids.shape[1]) - 1
         if room < 1:
             raise EngineError(f"text too long: {input_ids.shape[1]} prompt tokens")
@@ -292,7 +302,7 @@ class ChatTTSEngine:
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
-            speaker=spk,
+            speaker=prompt.speaker,
             generator=gen,
             decoder=StreamDecoder(self._decode_fn, **self._decode_opts),
             max_tokens=max(1, min(request.max_tokens, room)),
@@ -340,7 +350,8 @@ class ChatTTSEngine:
     def _prefill(self, seq: _Seq) -> RowGroup:
         ids, mask = seq.input_ids, seq.text_mask
         emb = self._chat.embed(ids, mask)
-        self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
+        if seq.speaker is not None:
+            self._chat.speaker.apply(emb, seq.speaker, ids, self._chat.tokenizer.spk_emb_ids, self.device)
         layers, hidden = self._prefill_padded(emb)
         seq.prefilled = True
         return RowGroup(

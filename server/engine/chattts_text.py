@@ -19,11 +19,19 @@ detected per segment). Captions keep the user's original text; only the model se
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
+
+from numba.core.errors import NumbaPendingDeprecationWarning
 
 from server.normalize import speakable
 
 log = logging.getLogger(__name__)
+# ChatTTS's normalizer passes Python lists to numba (``_combine_tags``); numba warns about that
+# once, when it compiles. It is ChatTTS's code and works; the warning is only noise in our log.
+warnings.filterwarnings("ignore", message=r"(?s).*reflected list", category=NumbaPendingDeprecationWarning)
+#: Reaches every numba-compiled path of the normalizer (tags, replaced characters, homophones).
+_WARM_TEXT = "预热 warm up [uv_break] 後来，好吗？!"
 
 
 class _QuietLog:
@@ -45,6 +53,7 @@ class ChatTTSText:
     def __init__(self, normalizer: Any) -> None:
         normalizer.logger = _QuietLog()
         self._normalizer = normalizer
+        self.model_text(_WARM_TEXT)  # numba compiles here (~1 s), not in the first request
 
     def model_text(self, segment: str) -> str:
         """``Chat.normalizer(speakable(segment))`` with ChatTTS ``infer``'s default switches."""

@@ -91,12 +91,23 @@ class NativeChat:
         return voice
 
     def infer(
-        self, text: str, voice: str, speed_prompt: str, *, min_tokens: int = 1, max_tokens: int = MAX_TOKENS
+        self,
+        text: str,
+        voice: str | None,
+        speed_prompt: str,
+        *,
+        min_tokens: int = 1,
+        max_tokens: int = MAX_TOKENS,
+        spk_smp: str | None = None,
+        txt_smp: str | None = None,
     ) -> NativeRun:
+        """``infer`` with a speaker (``voice``), a recording's codes and transcript, or both."""
         chat = self.chat
         params = chat.InferCodeParams(
             prompt=speed_prompt,
-            spk_emb=self.speaker(voice),
+            spk_emb=None if voice is None else self.speaker(voice),
+            spk_smp=spk_smp,
+            txt_smp=txt_smp,
             temperature=NEAR_GREEDY,
             top_P=0.7,
             top_K=20,
@@ -165,15 +176,30 @@ CASES = {
 
 
 def _compare(
-    engine: Any, native: NativeChat, text: str, voice: str, speed: float, *, min_tokens: int, max_tokens: int
+    engine: Any,
+    native: NativeChat,
+    text: str,
+    voice: str,
+    speed: float,
+    *,
+    min_tokens: int,
+    max_tokens: int,
+    reference: Any = None,
 ) -> None:
+    """Engine vs native on ``text``; ``reference``: ``voice`` names this recording voice in the engine."""
     from server.engine.chattts_voice import speed_token
 
     if voice == "speaker-string":
         voice = _speaker_string(native)
     params = SynthesisParams(voice=voice, speed=speed, seed=1, temperature=NEAR_GREEDY, top_p=0.7, top_k=20)
     ref = native.infer(
-        speakable(text), voice, speed_token(speed), min_tokens=min_tokens, max_tokens=max_tokens
+        speakable(text),
+        None if reference is not None else voice,
+        speed_token(speed),
+        min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        spk_smp=None if reference is None else reference.spk_smp,
+        txt_smp=None if reference is None else reference.transcript,
     )
 
     assert engine.prompt_text(text, params) == ref.prompt
