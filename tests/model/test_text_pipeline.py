@@ -99,3 +99,19 @@ def test_a_tag_reaches_the_model_as_its_token(tiny_engine: Any, tiny_model_dir: 
     break_3 = tokenizer._tokenizer.convert_tokens_to_ids("[break_3]")
     assert ids.count(break_3) == 1
     assert "[break_3]" in prompt and "[break_three]" not in prompt
+
+
+def test_every_allowed_tag_is_one_token_and_refinement_drops_the_numbered_ones(tiny_model_dir: Path) -> None:
+    """The dev tokenizer has ChatTTS's 50 tokens in the official order, so [break_0] splits them
+    as in the real vocabulary: infer() keeps refined tokens below it (word-level tags) only."""
+    from ChatTTS.model import Tokenizer
+
+    from server.tags import ALLOWED, RESERVED, WORD_TAGS
+
+    tokenizer = Tokenizer(str(tiny_model_dir / "asset" / "tokenizer"))
+    ids = {tag: tokenizer._tokenizer.convert_tokens_to_ids(tag) for tag in ALLOWED | RESERVED}
+    assert tokenizer._tokenizer.unk_token_id not in ids.values()
+    for tag, token_id in ids.items():
+        assert tokenizer.encode([tag], 4)[0].shape[1] == 1, tag
+        below = token_id < tokenizer.break_0_ids
+        assert below == (tag in RESERVED or tag[1:-1] in WORD_TAGS), tag
