@@ -48,7 +48,11 @@ class Settings:
     )
     cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
-    dtype: str = _opt("auto", "model precision", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _opt(
+        "auto",
+        "the GPT's precision; auto: float32 on CPU (token-identical to ChatTTS), bf16 (else fp16) on GPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
     block_schedule: str = _opt(
         "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"

@@ -26,6 +26,7 @@ from server.protocol import ProtocolError, Start
 from server.scheduler import Scheduler
 from server.session import StreamSession, new_stream_token, redact
 from server.streams import Stream, StreamRegistry
+from server.tags import problem as tag_problem
 from server.text import has_speakable, split_segments
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class SpeechService:
         s = self.settings
         if not msg.incremental:
             text = msg.text or ""
+            if (problem := tag_problem(text)) is not None:
+                raise ProtocolError("bad_request", problem, stream_id=msg.id)
             segments = [
                 seg for seg in split_segments(text, max_chars=s.segment_max_chars) if has_speakable(seg)
             ]

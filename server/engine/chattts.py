@@ -74,10 +74,18 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """The Llama's dtype: ``"auto"`` → bf16 on CPU (≈2× faster there) and on GPUs with bf16, else fp16."""
+    """The Llama's dtype. ``"auto"``: float32 on the CPU, bf16 on GPUs that have it, else fp16.
+
+    float32 keeps the engine token-identical to ChatTTS's own ``infer()``; on this project's
+    CPUs bfloat16 was 1.2-1.9x faster but changed the sampled tokens within 0-11 steps, and
+    CPUs without native bf16 run it slower still (``bench/results/dtype_cpu.md``,
+    docs/operations.md "Weights and precision"). On GPUs throughput is the point (unmeasured here).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return torch.float16
         return torch.bfloat16
@@ -205,7 +213,7 @@ class ChatTTSEngine:
             model_dir: folder with ChatTTS's ``asset/`` layout (official or dev model);
                 ``None`` = official weights from the hub cache, downloaded once.
             device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-            dtype: the Llama's dtype: ``"auto"`` (bf16 on CPU, bf16/fp16 on GPU),
+            dtype: the Llama's dtype: ``"auto"`` (float32 on CPU, bf16/fp16 on GPU),
                 ``"float32"``, ``"bfloat16"``, ``"float16"``. Decoder and vocoder stay float32.
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.

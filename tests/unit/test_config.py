@@ -43,3 +43,14 @@ def test_verify_weights_defaults_to_official_and_takes_its_variable() -> None:
     ).verify_weights == ("official")
     with pytest.raises(SystemExit):
         load_settings(["--verify-weights", "sometimes"], env={})
+
+
+def test_dtype_auto_is_float32_on_the_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ChatTTS")
+    from server.engine.chattts import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("int8", torch.device("cpu"))
