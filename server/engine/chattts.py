@@ -76,10 +76,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The Llama's dtype. ``"auto"``: float32 on the CPU, bf16 on GPUs that have it, else fp16.
 
-    float32 keeps the engine token-identical to ChatTTS's own ``infer()``; on this project's
-    CPUs bfloat16 was 1.2-1.9x faster but changed the sampled tokens within 0-11 steps, and
-    CPUs without native bf16 run it slower still (``bench/results/dtype_cpu.md``,
-    docs/operations.md "Weights and precision"). On GPUs throughput is the point (unmeasured here).
+    float32 keeps the engine token-identical to ChatTTS's own ``infer()``. On this project's
+    2-core CPU bfloat16 was no faster at batch 1 (0.7-1.2x) and 1.5-2x faster at batch 4, and
+    it changed the sampled tokens within 0-11 steps (``bench/results/dtype_cpu.md``; CPUs without
+    native bf16 are slower still). On GPUs throughput is the point (not measured here).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
