@@ -20,7 +20,7 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
-from tests.serverproc import free_port, http_status, spawn_server
+from tests.serverproc import free_port, spawn_server, wait_ready
 
 pytestmark = [pytest.mark.loopback, pytest.mark.slow]
 
@@ -144,18 +144,6 @@ async def test_unverified_folder_is_refused_by_default_with_the_flag_named(
     assert "official sha256" in last and "Traceback" not in text
 
 
-async def _wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
-    async with asyncio.timeout(240):  # a full-size model on a shared 2-core machine
-        while True:
-            assert proc.returncode is None, "server exited during start-up"
-            try:
-                if await asyncio.to_thread(http_status, port, "/ready") == 200:
-                    return
-            except OSError:
-                pass
-            await asyncio.sleep(0.2)
-
-
 def _metrics(port: int) -> str:
     import urllib.request
 
@@ -175,7 +163,7 @@ async def test_verify_weights_none_serves_the_folder_and_says_unverified(
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        await _wait_ready(port, proc)
+        await wait_ready(port, proc, timeout_s=240)  # a full-size model on a shared 2-core machine
         assert 'weights="unverified"' in await asyncio.to_thread(_metrics, port)
         async with asyncio.timeout(180), connect(f"ws://127.0.0.1:{port}/v1/stream") as ws:
             hello = json.loads(await ws.recv())
