@@ -73,6 +73,18 @@ def test_refined_text_is_what_infer_hands_to_speech(
     assert all(text.strip() for text in got)
 
 
+def test_refined_numbered_tags_are_dropped_like_infer_does(
+    refiner: TextRefiner, tiny_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``infer`` keeps refined tokens below ``[break_0]`` only: word-level tags stay, numbered ones go."""
+    tokenizer = tiny_engine._chat.tokenizer._tokenizer
+    tokens = ["你", "[uv_break]", "[break_3]", "好", "[laugh]", "[oral_2]", "[speed_5]", "[laugh_1]"]
+    ids = torch.tensor(tokenizer.convert_tokens_to_ids(tokens))
+    monkeypatch.setattr(refiner, "refine_ids", lambda texts, params: [ids])
+    [text] = refiner.refine(["x"], RefineParams())
+    assert text.split() == ["你", "[uv_break]", "好", "[laugh]"]
+
+
 def test_seeded_refinement_is_reproducible_and_independent_of_its_batch(refiner: TextRefiner) -> None:
     params = RefineParams(prompt=PROMPT, max_new_tokens=24, seed=5)  # ChatTTS's sampling defaults
     alone = refiner.refine_ids(TEXTS[:1], params)[0]
