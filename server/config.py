@@ -60,6 +60,12 @@ class Settings:
     prefill_bucket: int = _opt(
         16, "pad prompts up to a multiple of this many tokens: few kernel shapes, flat memory (1: off)"
     )
+    segment_max_tokens: int = _opt(
+        2048, "audio tokens one text segment may generate (46.9 per second); sizes the KV cache"
+    )
+    cuda_graphs: str = _opt(
+        "on", "capture the token step as CUDA graphs in warm-up (CUDA devices only)", choices=("on", "off")
+    )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     max_buffer_delay_ms: float = _opt(

@@ -65,6 +65,9 @@ class Metrics:
         self.gpu_memory_bytes = Gauge(
             "chattts_gpu_memory_allocated_bytes", "Accelerator memory allocated (0 without one)", registry=r
         )
+        self.kv_cache_bytes = Gauge(
+            "chattts_kv_cache_bytes", "KV cache the engine preallocated at start-up (0: none)", registry=r
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""

@@ -251,6 +251,7 @@ class Scheduler:
             self._engine = self._engine_factory()
             self.engine_info_voices = self._engine.info.voices
             self.engine_info = self._engine.info
+            self._metrics.kv_cache_bytes.set(int(self._engine.info.extra.get("kv_cache_bytes", 0)))
         except BaseException as exc:  # reported to start()'s caller
             self.startup_error = exc
             loaded.set()

@@ -21,11 +21,18 @@ context, (b) ``holdback_tokens`` of not-yet-final audio at the right edge,
 and the new window over ``crossfade_samples``. Each block decodes only
 ``context + new + holdback`` tokens: total cost is linear in length. The
 error against a one-shot decode is measured by ``tests/model/test_chattts_seams.py``.
+
+A :class:`StreamDecoder` plans its window (:meth:`StreamDecoder.plan`) and
+finishes it from the decoded samples (:meth:`StreamDecoder.finish`), so the
+engine can decode the windows of all its rows in one batched call
+(:mod:`server.engine.chattts_vocode`); :meth:`StreamDecoder.pull` does both
+for one row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,17 +64,35 @@ def make_decode_fn(decoder: torch.nn.Module, vocos: Any) -> DecodeFn:
     return decode
 
 
+@dataclass(frozen=True)
+class DecodeWindow:
+    """One row's next decode: the hidden states of tokens ``[start_token, …)`` and what to emit.
+
+    Attributes:
+        hiddens: ``(T, hidden)`` states to decode.
+        start_token: token index of ``hiddens[0]``.
+        end: emit samples up to here (stream sample index).
+        final: the stream ends with this window.
+    """
+
+    hiddens: torch.Tensor
+    start_token: int
+    end: int
+    final: bool
+
+
 class StreamDecoder:
     """Per-sequence incremental decoder state.
 
-    Feed hidden states with :meth:`push`, take audio with :meth:`pull`. The
+    Feed hidden states with :meth:`push`, take audio with :meth:`pull` (or
+    :meth:`plan`, a decode of the window, and :meth:`finish`). The
     concatenated output of all pulls (the last with ``final=True``) has
     exactly :func:`samples_for_tokens` samples.
     """
 
     def __init__(
         self,
-        decode: DecodeFn,
+        decode: DecodeFn | None,
         *,
         context_tokens: int = 16,
         holdback_tokens: int = 4,
@@ -105,23 +130,35 @@ class StreamDecoder:
             self._buf = self._buf[token - self._buf_start :].clone()
             self._buf_start = token
 
-    def pull(self, *, final: bool) -> npt.NDArray[np.float32]:
-        """Audio that is ready: everything up to the hold-back, or all of it when ``final``."""
+    def plan(self, *, final: bool) -> DecodeWindow | None:
+        """The window to decode now: audio up to the hold-back (all when ``final``); ``None``: nothing."""
         total = samples_for_tokens(self.n_tokens)
         end = total if final else total - SAMPLES_PER_TOKEN * self.holdback_tokens
         if end <= self.emitted:
-            return np.zeros(0, dtype=np.float32)
+            return None
         start_tok = max(0, self.emitted // SAMPLES_PER_TOKEN - self.context_tokens)
-        wav = self._decode(self._window(start_tok))
-        offset = SAMPLES_PER_TOKEN * start_tok
+        return DecodeWindow(hiddens=self._window(start_tok), start_token=start_tok, end=end, final=final)
+
+    def finish(self, window: DecodeWindow, wav: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The new audio, given ``wav`` = the one-shot decode of ``window.hiddens``."""
+        offset = SAMPLES_PER_TOKEN * window.start_token
+        end = window.end
         seg = wav[self.emitted - offset : end - offset].copy()
         if self._tail is not None:
             n = min(len(self._tail), len(seg))
             ramp = 0.5 - 0.5 * np.cos(np.pi * (np.arange(n, dtype=np.float32) + 0.5) / n)
             seg[:n] = self._tail[:n] * (1.0 - ramp) + seg[:n] * ramp
-        self._tail = None if final else wav[end - offset : end - offset + self.crossfade_samples].copy()
-        if self._tail is not None and len(self._tail) == 0:
-            self._tail = None
+        tail = None if window.final else wav[end - offset : end - offset + self.crossfade_samples].copy()
+        self._tail = tail if tail is not None and len(tail) else None
         self.emitted = end
         self._forget_before(max(0, end // SAMPLES_PER_TOKEN - self.context_tokens))
         return seg
+
+    def pull(self, *, final: bool) -> npt.NDArray[np.float32]:
+        """Audio that is ready: everything up to the hold-back, or all of it when ``final``."""
+        window = self.plan(final=final)
+        if window is None:
+            return np.zeros(0, dtype=np.float32)
+        if self._decode is None:
+            raise RuntimeError("this StreamDecoder has no decode function; decode its plan() yourself")
+        return self.finish(window, self._decode(window.hiddens))

@@ -46,6 +46,10 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     blocks = parse_block_schedule(settings.block_schedule)
     if settings.prefill_bucket < 1:
         raise ModelUnavailable(f"--prefill-bucket {settings.prefill_bucket}: must be at least 1 (1: off)")
+    if settings.segment_max_tokens < 1:
+        raise ModelUnavailable(f"--segment-max-tokens {settings.segment_max_tokens}: must be at least 1")
+    if settings.max_batch < 1:
+        raise ModelUnavailable(f"--max-batch {settings.max_batch}: must be at least 1")
 
     def build() -> Engine:
         from server.engine.chattts import ChatTTSEngine
@@ -69,6 +73,9 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 block_schedule=blocks,
                 prefill_bucket=settings.prefill_bucket,
                 warmup_prompt_chars=settings.segment_max_chars,
+                max_batch=settings.max_batch,
+                segment_max_tokens=settings.segment_max_tokens,
+                cuda_graphs=settings.cuda_graphs == "on",
             )
         except ModelUnavailableError as exc:
             raise ModelUnavailable(str(exc)) from None

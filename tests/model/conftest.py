@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 
+from tests.model.helpers import TEST_DEVICE
+
 pytest.importorskip("ChatTTS")
+
+if TEST_DEVICE.startswith("cuda"):
+    import torch
+
+    # The tests compare float32 results to 1e-4 or 1e-5: no TF32 shortcuts in matmuls and convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 class NetworkUsed(AssertionError):
@@ -94,7 +103,7 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
     from server.engine.chattts import ChatTTSEngine
 
     with network_refused():
-        engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32")
+        engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32")
         engine.warmup()
     yield engine
     engine.close()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from server.engine.base import SequenceRequest
+
+#: Where engine tests run the model: ``cpu`` (CI), or ``cuda`` (``python -m bench.gpu`` sets it).
+TEST_DEVICE = os.environ.get("CHATTTS_TEST_DEVICE", "cpu")
 
 
 @dataclass
@@ -39,3 +43,28 @@ def run_to_end(engine: Any, requests: list[SequenceRequest], max_steps: int = 10
                 live.remove(res.seq_id)
     assert not live, "sequences did not finish"
     return out
+
+
+def full_size_decoder_and_vocos() -> tuple[Any, Any]:
+    """ChatTTS's full-size Decoder and Vocos with random weights at trained-like layer scales (seed 0)."""
+    from dataclasses import asdict
+
+    import torch
+    from ChatTTS.config import config as cfg
+    from ChatTTS.model import DVAE
+    from vocos import Vocos
+    from vocos.pretrained import instantiate_class
+
+    from server.engine.chattts_devmodel import _scale_layer_scales
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    c = cfg.Config()
+    decoder = DVAE(decoder_config=asdict(c.decoder), dim=c.decoder.idim).eval()
+    _scale_layer_scales(decoder, gen)
+    vocos = Vocos(
+        feature_extractor=instantiate_class(args=(), init=asdict(c.vocos.feature_extractor)),
+        backbone=instantiate_class(args=(), init=asdict(c.vocos.backbone)),
+        head=instantiate_class(args=(), init=asdict(c.vocos.head)),
+    ).eval()
+    return decoder, vocos

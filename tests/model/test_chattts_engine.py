@@ -10,7 +10,7 @@ import torch
 
 from server.engine.base import Engine, EngineError, SequenceRequest, SynthesisParams
 from server.engine.chattts_decode import StreamDecoder, samples_for_tokens
-from tests.model.helpers import run_to_end
+from tests.model.helpers import TEST_DEVICE, run_to_end
 
 pytestmark = pytest.mark.model
 
@@ -42,7 +42,7 @@ def test_three_sentences_audio_length_matches_tokens(tiny_engine: Any) -> None:
         assert len(c.samples) == samples_for_tokens(c.tokens) == 512 * c.tokens - 256
         assert np.isfinite(c.samples).all()
     assert tiny_engine.live_sequences == 0
-    assert tiny_engine._groups == []
+    assert tiny_engine.free_slots == tiny_engine.slots
 
 
 def test_first_block_is_small_and_yields_audio(tiny_engine: Any) -> None:
@@ -115,9 +115,9 @@ def test_drop_mid_stream_frees_state(tiny_engine: Any) -> None:
     tiny_engine.drop(600)
     tiny_engine.drop(600)  # unknown now: no-op
     assert tiny_engine.live_sequences == 1
-    assert [g.ids for g in tiny_engine._groups] == [[601]]
+    assert tiny_engine.free_slots == tiny_engine.slots - 1
     tiny_engine.drop(601)
-    assert tiny_engine._groups == []
+    assert tiny_engine.free_slots == tiny_engine.slots
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: py
 def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
     from server.engine.chattts import ChatTTSEngine
 
-    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="bfloat16", min_tokens=50)
+    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16", min_tokens=50)
     try:
         c = run_to_end(engine, [req(1, "forced", max_tokens=50)])[1]
         assert c.tokens == 50
@@ -189,12 +189,12 @@ def _prefill_lengths(engine: Any) -> tuple[list[int], Any]:
     """Record the sequence length of every multi-token Llama forward (the prefills)."""
     seen: list[int] = []
 
-    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        length = int(kwargs["inputs_embeds"].shape[1])
+    def hook(module: Any, args: Any) -> None:
+        length = int(args[0].shape[1])
         if length > 1:
             seen.append(length)
 
-    return seen, engine._llama.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen, engine._llama.layers[0].register_forward_pre_hook(hook)
 
 
 def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) -> None:
@@ -206,7 +206,12 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
     from server.engine.chattts import ChatTTSEngine
 
     engine = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=16, warmup_prompt_chars=60
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        prefill_bucket=16,
+        warmup_prompt_chars=60,
+        max_batch=32,
     )
     seen, handle = _prefill_lengths(engine)
     try:
@@ -230,7 +235,9 @@ def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_di
     from server.engine.chattts import ChatTTSEngine
 
     assert tiny_engine.prefill_bucket > 1
-    exact = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", prefill_bucket=1)
+    exact = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", prefill_bucket=1
+    )
     seen, handle = _prefill_lengths(exact)
     try:
         unpadded = run_to_end(exact, [req(1, SENTENCES[2], max_tokens=40)])[1]

@@ -21,35 +21,19 @@ right-edge error of a window with no hold-back at all.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import numpy as np
 import pytest
 import torch
+
+from tests.model.helpers import full_size_decoder_and_vocos
 
 pytestmark = pytest.mark.model
 
 
 def _full_size_decode_fn() -> object:
-    from ChatTTS.config import config as cfg
-    from ChatTTS.model import DVAE
-    from vocos import Vocos
-    from vocos.pretrained import instantiate_class
-
     from server.engine.chattts_decode import make_decode_fn
-    from server.engine.chattts_devmodel import _scale_layer_scales
 
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    c = cfg.Config()
-    decoder = DVAE(decoder_config=asdict(c.decoder), dim=c.decoder.idim).eval()
-    _scale_layer_scales(decoder, gen)
-    vocos = Vocos(
-        feature_extractor=instantiate_class(args=(), init=asdict(c.vocos.feature_extractor)),
-        backbone=instantiate_class(args=(), init=asdict(c.vocos.backbone)),
-        head=instantiate_class(args=(), init=asdict(c.vocos.head)),
-    ).eval()
-    return make_decode_fn(decoder, vocos)
+    return make_decode_fn(*full_size_decoder_and_vocos())
 
 
 def test_streamed_audio_matches_one_shot_decode() -> None:

@@ -17,6 +17,7 @@ from server.app import App
 from server.config import load_settings
 from tests.integration.test_client_py import raw_stream
 from tests.integration.test_resume import broken_run, unbroken
+from tests.model.helpers import TEST_DEVICE
 from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
 
@@ -33,7 +34,7 @@ async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
             "--model-dir",
             str(tiny_model_dir),
             "--device",
-            "cpu",
+            TEST_DEVICE,
             "--dtype",
             "float32",
             "--port",
@@ -130,3 +131,10 @@ async def test_python_client_resumes_a_cut_model_stream_byte_for_byte(model_app:
                     proxy.cut()
     assert got == expected and stream.done is not None and stream.done.samples == done["samples"]
     assert proxy.cuts == 1 and stream.resumes <= 1
+
+
+async def test_kv_cache_size_is_exported(model_app: App) -> None:
+    """The preallocated KV cache is known from start-up and exported (fp32 tiny model, 16 slots)."""
+    lines = model_app.metrics.render().decode().splitlines()
+    [value] = [float(line.split()[1]) for line in lines if line.startswith("chattts_kv_cache_bytes ")]
+    assert value > 0 and value % (2 * 2 * 16 * 4) == 0  # K and V · layers · slots · fp32 bytes divide it

@@ -1,4 +1,4 @@
-"""KV row groups and per-row sampling of the ChatTTS engine (no model weights needed)."""
+"""Counter-based random streams and per-row sampling of the ChatTTS engine (no model weights needed)."""
 
 from __future__ import annotations
 
@@ -8,69 +8,43 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("ChatTTS")
 
 from server.engine.chattts_batch import (  # noqa: E402
-    GrowLayer,
-    RowGroup,
     RowSampling,
-    concat_groups,
+    counter_uniforms,
     sample_codes,
+    stream_key,
 )
 from server.engine.chattts_voice import parse_seed, speed_token  # noqa: E402
 
 
-def group(ids: list[int], length: int, pads: list[int], seed: int) -> RowGroup:
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(2):
-        k = torch.randn(len(ids), 2, length + 4, 8, generator=g)
-        v = torch.randn(len(ids), 2, length + 4, 8, generator=g)
-        for row, pad in enumerate(pads):
-            k[row, :, :pad] = 0
-            v[row, :, :pad] = 0
-        layers.append(GrowLayer(k, v, length))
-    return RowGroup(
-        ids=ids,
-        layers=layers,
-        pads=torch.tensor(pads),
-        hidden=torch.randn(len(ids), 16, generator=g),
-        history=torch.randint(0, 10, (len(ids), 4, 16), generator=g),
-    )
+def test_counter_uniforms_depend_only_on_key_and_token_index() -> None:
+    """A row's draws are a function of (its key, its token index): batch company cannot change them."""
+    keys = [stream_key(s) for s in (7, 8, 7)]
+    k0 = torch.tensor([k[0] for k in keys])
+    k1 = torch.tensor([k[1] for k in keys])
+    streams = torch.arange(4)
+    together = counter_uniforms(k0, k1, torch.tensor([3, 3, 5]), streams)
+    alone = counter_uniforms(k0[:1], k1[:1], torch.tensor([3]), streams)
+    assert torch.equal(together[0], alone[0])
+    assert not torch.equal(together[0], together[1])  # another seed, another stream
+    later = counter_uniforms(k0[2:], k1[2:], torch.tensor([5]), streams)
+    assert torch.equal(together[2], later[0])  # same seed, token 5
+    assert not torch.equal(together[0], together[2])  # same seed, another token
 
 
-def real_kv(g: RowGroup, seq_id: int) -> tuple[object, ...]:
-    row = g.ids.index(seq_id)
-    pad = int(g.pads[row])
-    return tuple(layer.keys[row, :, pad:].clone() for layer in g.layers)
+def test_counter_uniforms_look_uniform() -> None:
+    k0, k1 = (torch.tensor([x]) for x in stream_key(123))
+    u = torch.cat([counter_uniforms(k0, k1, torch.tensor([i]), torch.arange(4))[0] for i in range(4000)])
+    assert u.dtype == torch.float32
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float(counts.min()) > 1400 and float(counts.max()) < 1800  # 1600 expected per bin
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.05
 
 
-def test_concat_then_select_keeps_each_rows_cache() -> None:
-    a = group([1, 2], 5, [0, 2], seed=0)
-    b = group([3], 9, [0], seed=1)
-    before = {s: real_kv(g, s) for g in (a, b) for s in g.ids}
-    merged = concat_groups([a, b])
-    assert merged.ids == [1, 2, 3]
-    assert merged.length == 9
-    assert merged.pads.tolist() == [4, 6, 0]
-    for s, kv in before.items():
-        assert all(torch.equal(x, y) for x, y in zip(kv, real_kv(merged, s), strict=True))
-    mask = merged.attention_mask(1)
-    assert mask is not None and mask.shape == (3, 10)
-    assert mask[0].tolist() == [0] * 4 + [1] * 6
-    assert merged.positions(1).squeeze(1).tolist() == [5, 3, 9]
-    picked = merged.select([2, 1])
-    assert picked.pads.tolist() == [2, 0]  # common padding trimmed
-    assert picked.length == 5
-    for s in (1, 2):
-        assert all(torch.equal(x, y) for x, y in zip(before[s], real_kv(picked, s), strict=True))
-    assert torch.equal(picked.hidden[0], a.hidden[1])
-
-
-def test_grow_layer_appends_past_capacity_and_truncates() -> None:
-    layer = GrowLayer(torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3), 0)
-    for i in range(5):
-        k, _ = layer.update(torch.full((1, 1, 1, 3), float(i)), torch.full((1, 1, 1, 3), float(i)))
-    assert k.shape[2] == 5 and k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
-    layer.truncate(3)
-    assert layer.get_seq_length() == 3
+def test_stream_key_is_splitmix64() -> None:
+    # splitmix64's first output for state 0 (Vigna's reference implementation): 0xE220A8397B1DCDAF
+    k0, k1 = stream_key(0)
+    assert (k1 << 32) | k0 == 0xE220A8397B1DCDAF
 
 
 def test_sampling_matches_chattts_processors() -> None:

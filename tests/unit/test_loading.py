@@ -22,3 +22,18 @@ def test_prefill_bucket_below_one_is_refused_by_name() -> None:
         chattts_engine_factory(settings)
     assert load_settings([], env={"CHATTTS_PREFILL_BUCKET": "32"}).prefill_bucket == 32
     assert callable(chattts_engine_factory(load_settings(["--prefill-bucket", "1"], env={})))
+
+
+@pytest.mark.parametrize("flag", ["--segment-max-tokens", "--max-batch"])
+def test_kv_cache_sizes_below_one_are_refused_by_name(flag: str) -> None:
+    with pytest.raises(ModelUnavailable, match=f"{flag} 0"):
+        chattts_engine_factory(load_settings([flag, "0"], env={}))
+
+
+def test_cuda_graphs_flag_and_variable() -> None:
+    assert load_settings([], env={}).cuda_graphs == "on"
+    assert load_settings([], env={"CHATTTS_CUDA_GRAPHS": "off"}).cuda_graphs == "off"
+    assert load_settings(["--cuda-graphs", "off"], env={"CHATTTS_CUDA_GRAPHS": "on"}).cuda_graphs == "off"
+    with pytest.raises(SystemExit):
+        load_settings(["--cuda-graphs", "maybe"], env={})
+    assert load_settings([], env={"CHATTTS_SEGMENT_MAX_TOKENS": "900"}).segment_max_tokens == 900

@@ -1,0 +1,136 @@
+"""The verdicts and the markdown of ``python -m bench.gpu`` (issue #15's GPU targets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Targets on an H200-class GPU (issue #15, acceptance 6).
+TTFA_P50_S, TTFA_P99_S, TTFA_AT, MIN_STREAMS = 0.100, 0.250, 16, 64
+
+
+def _scenario(results: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    ttfa = results["stages"].get("ttfa", {})
+    for s in ttfa.get("scenarios", []):
+        if s.get("concurrency") == concurrency and "ttfa_p50_s" in s:
+            return dict(s)
+    return None
+
+
+def verdicts(results: dict[str, Any]) -> dict[str, Any]:
+    """Each target: the measured value and whether it was met (``None``: not measured)."""
+    out: dict[str, Any] = {}
+    tests = results["stages"].get("tests", {})
+    if "counts" in tests:
+        out["model_tests_pass"] = tests.get("returncode") == 0
+    at16 = _scenario(results, TTFA_AT)
+    if at16 and at16["ttfa_p50_s"] is not None:
+        out["ttfa_p50_at_16_s"] = {
+            "value": at16["ttfa_p50_s"],
+            "target": TTFA_P50_S,
+            "met": at16["ttfa_p50_s"] <= TTFA_P50_S,
+        }
+        out["ttfa_p99_at_16_s"] = {
+            "value": at16["ttfa_p99_s"],
+            "target": TTFA_P99_S,
+            "met": at16["ttfa_p99_s"] <= TTFA_P99_S,
+        }
+    search = results["stages"].get("search", {})
+    if "largest_zero_underrun_concurrency" in search:
+        best = search["largest_zero_underrun_concurrency"]
+        out["zero_underrun_streams"] = {"value": best, "target": MIN_STREAMS, "met": best >= MIN_STREAMS}
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{1000 * value:.0f}"
+
+
+def _met(entry: dict[str, Any] | None) -> str:
+    if not entry:
+        return "not measured"
+    return "met" if entry["met"] else "**not met**"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown report (written after every stage, so it may be partial)."""
+    v, ver, stages = results.get("verdicts", {}), results.get("versions", {}), results["stages"]
+    m = results["machine"]
+    lines = [
+        "# python -m bench.gpu",
+        "",
+        f"Command: `{results['command']}` ({results.get('elapsed_s', 0):.0f} s)",
+        "",
+        f"Device: **{ver.get('gpu') or ver.get('device')}** ({ver.get('gpu_memory_gib', '—')} GiB); "
+        f"torch {ver.get('torch')}, CUDA {ver.get('cuda')}, cuDNN {ver.get('cudnn', '—')}; "
+        f"GPUs seen by nvidia-smi: {m.get('gpus') or 'none'}; CPU {m['cpu_model']} × {m['cpu_cores']}; "
+        f"model {results['settings'].get('model_dir')}.",
+        "",
+        "| stage | status | time (s) | note |",
+        "|---|---|---|---|",
+    ]
+    for name, s in stages.items():
+        note = s.get("error") or s.get("why") or s.get("summary") or ""
+        lines.append(f"| {name} | {s['status']} | {s.get('elapsed_s', '')} | {str(note)[:160]} |")
+    lines += [
+        "",
+        "## Targets (H200 class, issue #15)",
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+    ]
+    p50, p99, streams = v.get("ttfa_p50_at_16_s"), v.get("ttfa_p99_at_16_s"), v.get("zero_underrun_streams")
+    lines.append(
+        f"| first audio p50 ≤ 100 ms at 16 streams | {_ms(p50['value']) if p50 else '—'} ms | {_met(p50)} |"
+    )
+    lines.append(
+        f"| first audio p99 ≤ 250 ms at 16 streams | {_ms(p99['value']) if p99 else '—'} ms | {_met(p99)} |"
+    )
+    best = streams["value"] if streams else "—"
+    lines.append(f"| ≥ 64 real-time streams, zero underruns | {best} | {_met(streams)} |")
+    tests = stages.get("tests", {})
+    if tests.get("failures"):
+        lines += [
+            "",
+            "Model tests that failed on the device: " + ", ".join(f"`{f}`" for f in tests["failures"]),
+        ]
+    step = stages.get("step", {})
+    if step.get("rows"):
+        lines += [
+            "",
+            f"## Token step (attention length {step['rows'][0]['length']}, {step.get('dtype')})",
+            "",
+        ]
+        lines += ["| batch | eager ms | graphs ms | speed-up | graphs ms per row |", "|---|---|---|---|---|"]
+        for r in step["rows"]:
+            g = r.get("graphs_ms")
+            speed = f"{r['eager_ms'] / g:.1f}×" if g else "—"
+            per_row = f"{r['graphs_ms_per_row']:.3f}" if g else "—"
+            lines.append(
+                f"| {r['batch']} | {r['eager_ms']:.2f} | {f'{g:.2f}' if g else '—'} | {speed} | {per_row} |"
+            )
+        lines.append(
+            f"\nWarm-up (graph capture included): {step.get('warmup_s', 0):.1f} s; KV cache "
+            f"{int(step['extra']['kv_cache_bytes']) / 2**30:.2f} GiB for {step['extra']['kv_slots']} slots."
+        )
+    probes = stages.get("search", {}).get("probes") or stages.get("ttfa", {}).get("scenarios") or []
+    if probes:
+        listener = results["settings"].get("listener_ms")
+        lines += ["", "## Server scenarios (closed loop, the dev model above)", ""]
+        head = (
+            "| streams | first audio p50 / p99 (ms) | RTF p50 | audio-s per s "
+            f"| underrun streams @{listener:g} / @100 ms | errors, cut |"
+        )
+        lines += [head, "|---|---|---|---|---|---|"]
+        scenarios = [
+            *stages.get("ttfa", {}).get("scenarios", []),
+            *stages.get("search", {}).get("probes", []),
+        ]
+        seen = {p["concurrency"]: p for p in scenarios if "streams" in p}
+        for c in sorted(seen):
+            p = seen[c]
+            underruns = f"{p['underrun_streams']}/{p['streams']} / {p['underrun_streams_100ms']}"
+            lines.append(
+                f"| {c} | {_ms(p['ttfa_p50_s'])} / {_ms(p['ttfa_p99_s'])} | {p['rtf_p50'] or 0:.2f} | "
+                f"{p['audio_s_per_wall_s']:.1f} | {underruns} | {p['errors'] or 0}, {p['cut']} |"
+            )
+    return "\n".join(lines) + "\n"

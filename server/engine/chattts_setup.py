@@ -1,0 +1,89 @@
+"""Settings of the ChatTTS engine that are decided once: device, dtype, options, cache length.
+
+Kept apart from the engine itself (:mod:`server.engine.chattts`) so that the
+engine module holds only what runs per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypedDict
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; anything else as given."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The Llama's dtype. ``"auto"``: float32 on the CPU, bf16 on GPUs that have it, else fp16.
+
+    float32 keeps the engine token-identical to ChatTTS's own ``infer()``. On this project's
+    2-core CPU bfloat16 was no faster at batch 1 (0.7-1.2x) and 1.5-2x faster at batch 4, and
+    it changed the sampled tokens within 0-11 steps (``bench/results/dtype_cpu.md``; CPUs without
+    native bf16 are slower still). On GPUs throughput is the point (not measured here).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; not {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class EngineOptions(TypedDict, total=False):
+    """Keyword options of :class:`server.engine.chattts.ChatTTSEngine` (all optional).
+
+    Keys:
+        block_schedule: tokens between a sequence's 1st, 2nd, ... decodes (last repeats).
+        default_voice: what voice ``"default"`` is (``seed:N`` or a speaker string).
+        context_tokens: decode left context, tokens (see :mod:`server.engine.chattts_decode`).
+        holdback_tokens: audio held back at the right edge until more tokens exist.
+        crossfade_samples: crossfade between consecutive decode windows.
+        min_tokens: EOS is banned before this many tokens (benchmarks force lengths with it).
+        repetition_penalty: ChatTTS's penalty over the last 16 codes (1.05).
+        prefill_bucket: prompts are padded up to a multiple of this many tokens, so the
+            kernels see a few prefill shapes instead of one per prompt length (1: no padding).
+        warmup_prompt_chars: the longest segment the server sends (``--segment-max-chars``):
+            warm-up prefills every bucket up to it, and the KV slots are sized for it.
+        max_batch: KV slots, the most sequences alive at once (``--max-batch``).
+        segment_max_tokens: token cap of one sequence; with the longest prompt it sets the
+            KV slots' length.
+        cuda_graphs: capture the token step as CUDA graphs on a CUDA device.
+    """
+
+    block_schedule: Sequence[int]
+    default_voice: str
+    context_tokens: int
+    holdback_tokens: int
+    crossfade_samples: int
+    min_tokens: int
+    repetition_penalty: float
+    prefill_bucket: int
+    warmup_prompt_chars: int
+    max_batch: int
+    segment_max_tokens: int
+    cuda_graphs: bool
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def kv_length(
+    *, longest_prompt: int, prefill_bucket: int, segment_max_tokens: int, max_positions: int
+) -> int:
+    """Positions per KV slot: the longest prompt's bucket plus the token cap, within the model's range."""
+    return min(max_positions, round_up(longest_prompt, prefill_bucket) + segment_max_tokens)

@@ -1,0 +1,50 @@
+"""``python -m bench.gpu --device cpu --smoke``: every stage of the GPU check, on the CPU with the tiny model.
+
+The command a GPU machine runs (model tests on the device, token-step timing, a server
+with time-to-first-audio scenarios, the zero-underrun search, the report) must not rot
+where no GPU is: CI runs all of it here, small.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ChatTTS")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
+    prefix = tmp_path / "gpu-smoke"
+    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--smoke", "--budget-s", "400"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--out", str(prefix)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(prefix.with_name("gpu-smoke.json").read_text())
+    stages = results["stages"]
+    assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(
+        ("tests", "step", "ttfa", "search"), "ok"
+    )
+    assert stages["tests"]["counts"] == {"passed": 1}
+    step = stages["step"]
+    assert [r["batch"] for r in step["rows"]] == [1, 2, 4]
+    assert all(r["eager_ms"] > 0 and "graphs_ms" not in r for r in step["rows"])  # no CUDA: eager only
+    assert step["extra"]["token_step"] == "eager"
+    scenarios = stages["ttfa"]["scenarios"]
+    assert [s["concurrency"] for s in scenarios] == [1, 2]
+    assert all(
+        s["streams"] >= s["concurrency"] and s["ttfa_p50_s"] > 0 and not s["errors"] for s in scenarios
+    )
+    search = stages["search"]
+    assert 1 <= search["largest_zero_underrun_concurrency"] <= 4
+    assert search["probes"]
+    assert results["versions"]["torch"] and results["versions"]["device"] == "cpu"
+    assert "zero_underrun_streams" in results["verdicts"]
+    report = prefix.with_name("gpu-smoke.md").read_text()
+    assert "## Token step" in report and "## Server scenarios" in report and "| search | ok |" in report
+    assert "[bench.gpu] stage search: ok" in proc.stdout

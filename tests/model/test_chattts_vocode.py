@@ -1,0 +1,83 @@
+"""Batched decode: every row of one padded Decoder + Vocos call equals its own one-shot decode (≤ 1e-5).
+
+Full-size Decoder and Vocos (random weights at trained-like layer scales): their receptive
+field (±52 tokens) is wider than any window here, so padding that leaked into a row would
+show at every sample of it, not only at its edge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from server.engine.chattts_decode import make_decode_fn, samples_for_tokens
+from tests.model.helpers import full_size_decoder_and_vocos
+
+pytestmark = pytest.mark.model
+
+#: Window lengths as the engine makes them: first blocks (8 + hold-back), steady state
+#: (16 context + 32 + 4), a final short one, and one that is a multiple of the padding unit.
+LENGTHS = [12, 52, 3, 28, 40, 1, 16]
+
+
+@pytest.fixture(scope="module")
+def modules() -> tuple[Any, Any]:
+    return full_size_decoder_and_vocos()
+
+
+def _windows(lengths: list[int], seed: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 768, generator=gen) for n in lengths]
+
+
+@pytest.mark.parametrize("max_waste", [None, 0.25], ids=["one-call", "grouped-by-length"])
+def test_each_row_of_a_batched_decode_equals_its_decode_alone(
+    modules: tuple[Any, Any], max_waste: float | None
+) -> None:
+    from server.engine.chattts_vocode import BatchVocoder
+
+    decoder, vocos = modules
+    windows = _windows(LENGTHS)
+    with torch.inference_mode():
+        alone = [make_decode_fn(decoder, vocos)(w) for w in windows]
+        vocoder = BatchVocoder(decoder, vocos, max_waste=max_waste)
+        batched = vocoder.decode(windows)
+        grouped = {(2, 52), (1, 28), (2, 16), (1, 4)}  # (rows, padded tokens) of each call
+        assert vocoder.shapes == ({(7, 52)} if max_waste is None else grouped)
+    for n, ref, got in zip(LENGTHS, alone, batched, strict=True):
+        assert len(got) == len(ref) == samples_for_tokens(n)
+        assert np.abs(got - ref).max() <= 1e-5, f"window of {n} tokens: {np.abs(got - ref).max():.2e}"
+        assert np.abs(ref).max() > 1e-3  # the comparison is of real signals
+
+
+def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any]) -> None:
+    """With the per-row masks off, padding leaks into the shorter rows (so the test above can fail)."""
+    from server.engine.chattts_vocode import BatchVocoder
+
+    class Unmasked(BatchVocoder):
+        def _mask_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            return None
+
+    decoder, vocos = modules
+    windows = _windows([10, 52])
+    with torch.inference_mode():
+        ref = make_decode_fn(decoder, vocos)(windows[0])
+        leaky = Unmasked(decoder, vocos).decode(windows)[0]
+    assert np.abs(leaky - ref).max() > 1e-3
+
+
+def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> None:
+    """ChatTTS's own one-shot decode through the same modules is unchanged by the vocoder's hooks."""
+    from server.engine.chattts_vocode import BatchVocoder
+
+    decoder, vocos = modules
+    window = _windows([20])[0]
+    with torch.inference_mode():
+        before = make_decode_fn(decoder, vocos)(window)
+        vocoder = BatchVocoder(decoder, vocos)
+        vocoder.decode(_windows([5, 9]))
+        after = make_decode_fn(decoder, vocos)(window)
+    assert np.array_equal(before, after)
