@@ -50,7 +50,8 @@ class Settings:
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
     dtype: str = _opt(
         "auto",
-        "the GPT's precision; auto: float32 on CPU (token-identical to ChatTTS), bf16 (else fp16) on GPU",
+        "the GPT's precision; auto: bf16 where the CPU/GPU computes it natively (faster), else "
+        "float32 on CPU, fp16 on GPU; only float32 is token-identical to ChatTTS's own infer()",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")

@@ -184,7 +184,7 @@ class ChatTTSEngine:
             model_dir: folder with ChatTTS's ``asset/`` layout (official or dev model);
                 ``None`` = official weights from the hub cache, downloaded once.
             device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-            dtype: the Llama's dtype: ``"auto"`` (float32 on CPU, bf16/fp16 on GPU),
+            dtype: the Llama's dtype: ``"auto"`` (bf16 where native, else float32 on CPU, fp16 on GPU),
                 ``"float32"``, ``"bfloat16"``, ``"float16"``. Decoder and vocoder stay float32.
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.

@@ -21,19 +21,25 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """The Llama's dtype. ``"auto"``: float32 on the CPU, bf16 on GPUs that have it, else fp16.
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without it oneDNN emulates it."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
-    float32 keeps the engine token-identical to ChatTTS's own ``infer()``. On this project's
-    2-core CPU bfloat16 was no faster at batch 1 (0.7-1.2x) and 1.5-2x faster at batch 4, and
-    it changed the sampled tokens within 0-11 steps (``bench/results/dtype_cpu.md``; CPUs without
-    native bf16 are slower still). On GPUs throughput is the point (not measured here).
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The Llama's dtype. ``"auto"``: bf16 where the hardware computes it natively, else fp32 (CPU) or fp16.
+
+    On this project's CPU (AVX512-BF16) bfloat16 ran the engine 1.6x faster at batch 1 and
+    1.95x at batch 4 than float32 (``bench/results/dtype_cpu.md``), but its sampled tokens leave
+    float32's within 0-11 steps: only float32 is token-identical to ChatTTS's own ``infer()``
+    (docs/operations.md, "Weights and precision"). A CPU without native bf16 gets float32.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return torch.float16
         return torch.bfloat16

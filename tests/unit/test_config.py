@@ -45,12 +45,19 @@ def test_verify_weights_defaults_to_official_and_takes_its_variable() -> None:
         load_settings(["--verify-weights", "sometimes"], env={})
 
 
-def test_dtype_auto_is_float32_on_the_cpu() -> None:
+def test_dtype_auto_on_the_cpu_is_bf16_only_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("ChatTTS")
+    from server.engine import chattts_setup
     from server.engine.chattts import resolve_dtype
 
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(chattts_setup, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(chattts_setup, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
-        resolve_dtype("int8", torch.device("cpu"))
+        resolve_dtype("int8", cpu)
