@@ -1,47 +1,40 @@
-"""The server process: WebSocket endpoint, HTTP routes, start-up and graceful drain.
+"""The server process: start-up, serving, drain and shutdown, each one readable sequence.
 
-``App`` wires settings, the scheduler (which owns the engine) and the
-``websockets`` server. HTTP on the same port (``/health``, ``/ready``,
-``/metrics``, the demo page) is answered from ``process_request`` before any
-WebSocket handshake; ``/v1/stream`` continues to the handshake.
+``App`` is the composition root: it builds the engine client, the service and
+the front ends (WebSocket ``connection``, OpenAI-compatible ``http_api``) and
+hands each what it needs; nothing reaches back into it. :meth:`App.start`
+and :meth:`App.stop` read top to bottom as the steps they take.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import signal
-import time
+import socket
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
 
-from server import protocol
 from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
 from server.config import Settings
 from server.connection import Connection
-from server.engine.base import Engine
+from server.core.client import EngineClient
+from server.core.policy import PolicyConfig
+from server.engine.base import Engine, EngineInfo
+from server.errors import ServiceError, StartupError
+from server.frontend import AccessDenied, AccessGate, ServerInfo
 from server.http_api import HttpApi
-from server.limits import ApiKeys, client_identity, client_ip, origin_allowed, presented_key
 from server.metrics import Metrics
-from server.scheduler import Scheduler, SchedulerConfig
+from server.routes import STREAM_PATH, Probes, Routes
 from server.service import SpeechService
 from server.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
-STREAM_PATH = "/v1/stream"
-#: /health fails when the inference thread has not looped for this long.
-HEARTBEAT_STALE_S = 120.0
 #: How often a drain checks whether the running streams are done.
 DRAIN_POLL_S = 0.05
-DEMO_DIR = Path(__file__).resolve().parent.parent / "client_js"
+_CLOSE_REASONS = {"unauthorized": "missing or invalid API key", "forbidden_origin": "origin not allowed"}
 
 
 def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
@@ -57,63 +50,200 @@ def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
     return chattts_engine_factory(settings)
 
 
+def policy_config(settings: Settings) -> PolicyConfig:
+    """The scheduling policy's tuning from the flags."""
+    return PolicyConfig(
+        max_batch=settings.max_batch,
+        max_wait_s=settings.max_wait_ms / 1000,
+        max_queue=settings.max_queue,
+        lookahead=settings.segment_lookahead,
+        breaker_threshold=settings.breaker_threshold,
+        breaker_probe_interval_s=settings.breaker_probe_s,
+    )
+
+
 class App:
     """One server instance: start it, serve until told to stop, drain, stop."""
 
     def __init__(self, settings: Settings, *, engine_factory: Callable[[], Engine] | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.scheduler = Scheduler(
+        self.engine_client = EngineClient(
             engine_factory or build_engine_factory(settings),
-            config=SchedulerConfig(
-                max_batch=settings.max_batch,
-                max_wait_s=settings.max_wait_ms / 1000,
-                max_queue=settings.max_queue,
-                lookahead=settings.segment_lookahead,
-            ),
+            config=policy_config(settings),
             metrics=self.metrics,
             warmup=settings.warmup,
         )
-        self.service = SpeechService(settings, self.scheduler, self.metrics)
+        self.service = SpeechService(settings, self.engine_client, self.metrics)
         self.connections: set[Connection] = set()
         self.warmed_up = asyncio.Event()
-        self._warmup_task: asyncio.Task[None] | None = None
+        self.http: HttpApi | None = None  # the OpenAI-compatible API, when its port is open
+        self._gate: AccessGate | None = None
+        self._info: ServerInfo | None = None
+        self._sockets: list[socket.socket] = []
         self._server: Server | None = None
-        self.api_keys = ApiKeys(_api_keys(settings))
-        self.allowed_origins = frozenset(o.strip() for o in settings.allowed_origins.split(",") if o.strip())
-        self.http = HttpApi(self)  # OpenAI-compatible HTTP speech API on its own port
+        self._warmup_task: asyncio.Task[None] | None = None
 
-    # --- lifecycle -------------------------------------------------------------
+    # --- start-up and shutdown --------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the engine and listen (``/ready`` turns 200 after warm-up)."""
-        await self.scheduler.start()
-        if self.scheduler.engine_info is not None:
-            info = self.scheduler.engine_info
-            self.metrics.engine.info({"name": info.name, **info.extra})
-        self.service.start()
-        self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
+        """Start up; on any failure, undo what was started and raise.
+
+        1. Read the API keys (``--api-keys-file``).
+        2. Bind the WebSocket port and the HTTP port, so that a busy port fails
+           before minutes of model loading (nothing is accepted yet).
+        3. Load the engine on the inference thread; its warm-up follows there.
+        4. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
+        5. Serve WebSocket and HTTP on the bound sockets.
+
+        Raises:
+            StartupError: one line naming the cause and the flag.
+        """
         s = self.settings
-        self._server = await serve(
-            self._handle,
-            s.host,
-            s.port,
-            process_request=self._process_request,
-            compression=None,  # audio does not compress; deflate only costs CPU
-            max_size=s.max_message_bytes,
-            max_queue=16,
-            ping_interval=20,
-            ping_timeout=20,
-            server_header=s.server_name,
-        )
-        await self.http.start()
+        try:
+            self._gate = AccessGate.from_settings(s)
+            ws_sock = self._bind(s.port, "--port")
+            http_sock = self._bind_http()
+            info = await self.engine_client.start()
+            self._info = server_info(s, info)
+            self.metrics.engine.info({"name": info.name, **info.extra})
+            self.service.start()
+            self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
+            self._server = await serve(
+                self._handle,
+                sock=ws_sock,
+                process_request=Routes(self._probes()),
+                compression=None,  # audio does not compress; deflate only costs CPU
+                max_size=s.max_message_bytes,
+                max_queue=16,
+                ping_interval=20,
+                ping_timeout=20,
+                server_header=s.server_name,
+            )
+            if http_sock is not None:
+                self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics)
+                await self.http.start(http_sock)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("listening on ws://%s:%d%s", s.host, self.port, STREAM_PATH)
+
+    async def stop(self) -> None:
+        """Shut down (also after a failed start), in order.
+
+        1. Stop the warm-up requests and the HTTP API (running responses are cut).
+        2. Stop listening, close every WebSocket connection with 1012.
+        3. Free every stream (their generation stops), stop the encoder threads.
+        4. Stop the inference loop after its current step; it closes the engine.
+        """
+        if self._warmup_task is not None:
+            self._warmup_task.cancel()
+            await asyncio.gather(self._warmup_task, return_exceptions=True)
+        if self.http is not None:
+            await self.http.stop()
+        if self._server is not None:
+            self._server.close(close_connections=False)
+            for conn in list(self.connections):
+                await conn.ws.close(1012, "server is restarting")
+            await self._server.wait_closed()
+        await self.service.stop()
+        await self.engine_client.stop()
+        for sock in self._sockets:  # bound but never served (a failed start): release the ports
+            sock.close()
+
+    async def drain(self) -> None:
+        """Graceful stop: refuse new streams, let running ones finish, close with 1012, stop."""
+        if self.service.draining:
+            return
+        self.service.draining = True
+        registry = self.service.registry
+        log.info("draining: %d active streams, up to %.0f s", registry.busy(), self.settings.drain_timeout_s)
+        for conn in list(self.connections):
+            await conn.close_if_idle()
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                # The condition spans every stream's state; polling it during a drain is cheap.
+                while registry.busy():  # noqa: ASYNC110
+                    await asyncio.sleep(DRAIN_POLL_S)
+        except TimeoutError:
+            log.warning("drain timeout: %d streams still running are cut off", registry.busy())
+        await self.stop()
+
+    async def run_until_signalled(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, then drain and return."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received")
+        await self.drain()
+
+    def _bind(self, port: int, flag: str) -> socket.socket:
+        """A socket bound to ``port`` (not yet listening).
+
+        Raises:
+            StartupError: the port cannot be bound.
+        """
+        host = self.settings.host
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port} (--host): {exc.strerror or exc}") from None
+        self._sockets.append(sock)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
+        sock.setblocking(False)
+        return sock
+
+    def _bind_http(self) -> socket.socket | None:
+        """The HTTP API's socket: ``--http-port``; by default the WebSocket port + 1 (0 = off).
+
+        The default may be taken (another server's WebSocket port): HTTP then stays off
+        with a warning instead of failing the WebSocket server.
+        """
+        s = self.settings
+        if s.http_port == 0:
+            return None
+        if s.http_port > 0:
+            return self._bind(s.http_port, "--http-port")
+        port = self.port + 1 if s.port else 0
+        try:
+            return self._bind(port, "--http-port")
+        except StartupError as exc:
+            log.warning("OpenAI-compatible HTTP is off: %s (set --http-port)", exc)
+            return None
+
+    async def _warm_up(self) -> None:
+        """Typical requests through the real path; ``/ready`` waits for them."""
+        if self.settings.warmup:
+            await self.engine_client.wait_ready()
+            try:
+                await warm_up(self.engine_client)
+            except ServiceError as exc:  # e.g. --max-queue 0: nothing could be served anyway
+                log.error("warm-up failed, /ready stays 503: %s", exc.message)
+                return
+        self.warmed_up.set()
+
+    # --- state -----------------------------------------------------------------------------
 
     @property
     def port(self) -> int:
-        """The bound port (useful with ``port=0``)."""
-        assert self._server is not None
-        port: int = self._server.sockets[0].getsockname()[1]
+        """The bound WebSocket port (useful with ``port=0``)."""
+        port: int = self._sockets[0].getsockname()[1]
         return port
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound HTTP API port; None while it is off."""
+        return self.http.port if self.http is not None else None
 
     @property
     def draining(self) -> bool:
@@ -123,123 +253,49 @@ class App:
     @property
     def active_streams(self) -> int:
         """Streams not yet delivered (running, being sent, or waiting for a resume)."""
-        return self.service.registry.active
-
-    def _busy_streams(self) -> int:
-        """Streams a drain waits for: unfinished, or with items left for a live connection."""
-        return sum(
-            1
-            for stream in self.service.registry.all()
-            if not stream.session.ended or stream.session.owner is not None
-        )
-
-    async def drain(self) -> None:
-        """Graceful stop: refuse new streams, let running ones finish, close with 1012."""
-        if self.service.draining:
-            return
-        self.service.draining = True
-        log.info(
-            "draining: %d active streams, up to %.0f s", self._busy_streams(), self.settings.drain_timeout_s
-        )
-        for conn in list(self.connections):
-            await conn.close_if_idle_while_draining()
-        try:
-            async with asyncio.timeout(self.settings.drain_timeout_s):
-                # The condition spans every stream's state; polling it during a drain is cheap.
-                while self._busy_streams():  # noqa: ASYNC110
-                    await asyncio.sleep(DRAIN_POLL_S)
-        except TimeoutError:
-            log.warning("drain timeout: %d streams still running are cut off", self._busy_streams())
-        await self.stop()
-
-    async def _warm_up(self) -> None:
-        """Typical requests through the real path; ``/ready`` waits for them."""
-        if self.settings.warmup:
-            while not self.scheduler.ready.is_set():  # bounded waits: stop() must not hang on this
-                await asyncio.to_thread(self.scheduler.ready.wait, 0.5)
-            await warm_up(self.scheduler)
-        self.warmed_up.set()
-
-    async def stop(self) -> None:
-        """Close every connection with 1012, stop listening and stop the inference loop."""
-        if self._warmup_task is not None:
-            self._warmup_task.cancel()
-            await asyncio.gather(self._warmup_task, return_exceptions=True)
-        await self.http.stop()
-        if self._server is not None:
-            self._server.close(close_connections=False)
-            for conn in list(self.connections):
-                await conn.ws.close(1012, "server is restarting")
-            await self._server.wait_closed()
-        await self.service.stop()
-        await self.scheduler.stop()
-
-    async def run_until_signalled(self) -> None:
-        """Serve until SIGTERM or SIGINT, then drain and return."""
-        await self.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        log.info("listening on ws://%s:%d%s", self.settings.host, self.port, STREAM_PATH)
-        await stop.wait()
-        log.info("signal received")
-        await self.drain()
-
-    def hello(self) -> dict[str, Any]:
-        """The ``hello`` message this server sends first."""
-        s = self.settings
-        return protocol.hello(
-            server=s.server_name,
-            sample_rate=24_000,
-            sample_rates=list(SUPPORTED_RATES),
-            formats=list(SUPPORTED_FORMATS),
-            voices=list(self.scheduler.engine_info_voices),
-            max_text_chars=s.max_text_chars,
-            max_streams=s.max_streams,
-            resume_ttl_s=s.resume_ttl_s,
-            weights=self.scheduler.engine_info.extra.get("weights") if self.scheduler.engine_info else None,
-        )
+        return self.service.registry.active()
 
     @property
     def ready(self) -> bool:
         """Warm-up finished, not draining, and the engine breaker is closed."""
-        return (
-            self.scheduler.ready.is_set()
-            and self.warmed_up.is_set()
-            and not self.draining
-            and not self.scheduler.breaker_open
-        )
+        client = self.engine_client
+        return client.ready and self.warmed_up.is_set() and not self.draining and not client.breaker_open
 
     @property
     def healthy(self) -> bool:
         """The inference thread is alive and has looped recently."""
-        fresh = time.monotonic() - self.scheduler.heartbeat < HEARTBEAT_STALE_S
-        return self.scheduler.alive and fresh
+        return self.engine_client.healthy
 
-    # --- WebSocket and HTTP --------------------------------------------------------
+    def _probes(self) -> Probes:
+        return Probes(
+            healthy=lambda: self.healthy,
+            ready=lambda: self.ready,
+            draining=lambda: self.draining,
+            full=lambda: len(self.connections) >= self.settings.max_connections,
+            metrics=self.metrics.render,
+        )
+
+    # --- WebSocket connections ------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
         request = ws.request
-        assert request is not None
-        key = presented_key(request.path, request.headers)
-        if self.api_keys.required and not self.api_keys.valid(key):
-            self.metrics.errors.labels(code="unauthorized").inc()
-            await ws.close(1008, "missing or invalid API key")
-            return
-        if not origin_allowed(request.headers.get("Origin"), self.allowed_origins):
-            self.metrics.errors.labels(code="forbidden_origin").inc()
-            await ws.close(1008, "origin not allowed")
+        assert request is not None and self._gate is not None and self._info is not None
+        peer = str(ws.remote_address[0]) if ws.remote_address else "?"
+        try:
+            client = self._gate.admit(request.path, request.headers, peer)
+        except AccessDenied as denied:
+            self.metrics.errors.labels(code=denied.kind).inc()
+            await ws.close(1008, _CLOSE_REASONS[denied.kind])
             return
         limiter = self.service.limiter
-        peer = str(ws.remote_address[0]) if ws.remote_address else "?"
-        ip = client_ip(peer, request.headers, trust_forwarded_for=self.settings.trust_forwarded_for)
-        client = client_identity(key, ip)
         if not limiter.open_connection(client):
             self.metrics.errors.labels(code="too_many_connections").inc()
             await ws.close(1013, "too many connections from this client")
             return
-        conn = Connection(self, ws, client)
+        s = self.settings
+        conn = Connection(
+            ws, self.service, self._info, client=client, send_timeout_s=s.send_timeout_s, metrics=self.metrics
+        )
         self.connections.add(conn)
         self.metrics.connections.set(len(self.connections))
         try:
@@ -249,72 +305,16 @@ class App:
             self.connections.discard(conn)
             self.metrics.connections.set(len(self.connections))
 
-    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
-        if path == STREAM_PATH:
-            if self.draining:
-                return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
-            if len(self.connections) >= self.settings.max_connections:
-                return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
-            return None  # go on with the WebSocket handshake
-        if path == "/health":
-            ok = self.healthy
-            return connection.respond(
-                http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
-                "ok\n" if ok else "inference loop stalled\n",
-            )
-        if path == "/ready":
-            ok = self.ready
-            return connection.respond(
-                http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
-                "ready\n" if ok else "not ready\n",
-            )
-        if path == "/metrics":
-            return _response(200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-        if path in ("/", "/index.html"):
-            # File reads go to a thread: the event loop never waits for a disk.
-            return await asyncio.to_thread(
-                _static, DEMO_DIR / "demo" / "index.html", "text/html; charset=utf-8"
-            )
-        if path.startswith("/client_js/"):
-            return await asyncio.to_thread(_static_under, DEMO_DIR, path.removeprefix("/client_js/"))
-        return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
 
-
-def _api_keys(settings: Settings) -> list[str]:
-    """Keys from ``--api-keys`` and, one per line, ``--api-keys-file``."""
-    keys = [k.strip() for k in settings.api_keys.split(",") if k.strip()]
-    if settings.api_keys_file:
-        lines = Path(settings.api_keys_file).read_text(encoding="utf-8").splitlines()
-        keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    return keys
-
-
-_CONTENT_TYPES = {
-    ".js": "text/javascript; charset=utf-8",
-    ".html": "text/html; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".png": "image/png",
-}
-
-
-def _response(status: int, body: bytes, content_type: str) -> Response:
-    headers = Headers()
-    headers["Content-Type"] = content_type
-    headers["Content-Length"] = str(len(body))
-    headers["Cache-Control"] = "no-store"
-    return Response(status, http.HTTPStatus(status).phrase, headers, body)
-
-
-def _static(path: Path, content_type: str) -> Response:
-    if not path.is_file():
-        return _response(404, b"not found\n", "text/plain")
-    return _response(200, path.read_bytes(), content_type)
-
-
-def _static_under(root: Path, relative: str) -> Response:
-    """Serve a file below ``root`` only (no ``..`` escapes)."""
-    target = (root / relative).resolve()
-    if not target.is_relative_to(root) or target.suffix not in _CONTENT_TYPES:
-        return _response(404, b"not found\n", "text/plain")
-    return _static(target, _CONTENT_TYPES[target.suffix])
+def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
+    """What the server advertises, once the engine is loaded."""
+    return ServerInfo(
+        server=settings.server_name,
+        voices=engine.voices,
+        formats=SUPPORTED_FORMATS,
+        sample_rates=SUPPORTED_RATES,
+        max_text_chars=settings.max_text_chars,
+        max_streams=settings.max_streams,
+        resume_ttl_s=settings.resume_ttl_s,
+        weights=engine.extra.get("weights"),
+    )

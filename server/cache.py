@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.protocol import Start
-from server.session import OutItem
+from server.outbox import Frame, OutItem
+from server.request import SpeechRequest
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class CachedStream:
     size: int
 
 
-def cache_key(msg: Start, segments: Sequence[str], engine_identity: str) -> str | None:
+def cache_key(msg: SpeechRequest, segments: Sequence[str], engine_identity: str) -> str | None:
     """The cache key of a request, or None when its audio is not reproducible (no seed)."""
     if msg.seed is None or msg.incremental:
         return None
@@ -63,7 +63,7 @@ class ResponseCache:
 
     def put(self, key: str, items: Sequence[OutItem]) -> None:
         """Store a finished stream, evicting the least recently used entries to fit."""
-        size = sum(len(item.payload) + 64 for item in items)
+        size = sum((len(item.payload) if isinstance(item, Frame) else 0) + 64 for item in items)
         if size > self.max_bytes // 4 or key in self._entries:
             return
         self._entries[key] = CachedStream(tuple(items), size)

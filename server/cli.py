@@ -58,12 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     from server.app import App
-    from server.engine.loading import ModelUnavailable
+    from server.errors import StartupError
 
     try:
         uvloop.run(App(settings).run_until_signalled())
-    except ModelUnavailable as exc:
-        print(f"chattts-stream: {exc}", file=sys.stderr)
+    except StartupError as exc:  # App.start has stopped everything it started: no thread is left
+        print("chattts-stream: " + " ".join(str(exc).splitlines()), file=sys.stderr)
         return 2
     return 0
 

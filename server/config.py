@@ -109,6 +109,10 @@ class Settings:
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")
     max_queue: int = _opt(256, "sequences waiting for a batch slot before new streams get 'overloaded'")
     segment_lookahead: int = _opt(1, "segments of one stream generated ahead of the one playing")
+    breaker_threshold: int = _opt(
+        5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
+    )
+    breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
     log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))

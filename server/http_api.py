@@ -1,11 +1,12 @@
 """OpenAI-compatible HTTP speech endpoint (aiohttp), beside the WebSocket, same inference loop.
 
 ``POST /v1/audio/speech`` takes OpenAI's JSON body, turns it into a
-:class:`~server.protocol.Start` and opens one more stream through
-:class:`~server.service.SpeechService` (same validation, limits, scheduler
-and encoders as the WebSocket path). The audio goes out as a chunked body
-while it is generated. A client that disconnects cancels its stream: HTTP
-streams cannot be resumed, so they are freed at once. ``GET /v1/models`` and
+:class:`~server.request.SpeechRequest` and opens one more stream through
+:class:`~server.service.SpeechService` (same validation, limits, engine and
+encoders as the WebSocket path). The audio goes out as a chunked body while
+it is generated, read by the service's one outbox reader (I/O glue only).
+A client that disconnects cancels its stream: HTTP streams cannot be
+resumed, so they are freed at once. ``GET /v1/models`` and
 ``GET /v1/audio/voices`` are for discovery. Errors use OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, with our wire codes.
 """
@@ -16,20 +17,23 @@ import asyncio
 import logging
 import math
 import re
+import socket
 import struct
-import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from server.limits import client_identity, client_ip, origin_allowed, presented_key
-from server.protocol import ProtocolError, Seed, Start, Temperature, TopK, TopP
-from server.streams import Stream
-
-if TYPE_CHECKING:
-    from server.app import App
+from server.config import Settings
+from server.errors import ServiceError
+from server.frontend import AccessDenied, AccessGate, ServerInfo
+from server.metrics import Metrics
+from server.outbox import Failure, Frame, OutItem
+from server.protocol import Seed, Temperature, TopK, TopP, code_of
+from server.request import SpeechRequest
+from server.service import SpeechService
+from server.stream import Lease, Stream
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
 OPENAI_SPEED: Final = (0.25, 4.0)
 OUR_SPEED: Final = (0.5, 2.0)
+#: The client's rate-limit identity, set by the access gate.
+CLIENT: Final = web.RequestKey("client", str)
 #: Our wire codes → HTTP status (the ``code`` of the error body stays ours).
 STATUS: Final = dict(bad_request=400, text_too_long=400, unsupported=400, rate_limited=429, overloaded=429)
 STATUS.update(shutting_down=503, engine_error=500, internal=500)
@@ -111,11 +117,13 @@ def _param_of(text: str) -> str | None:
     return (match.group(1) or match.group(2)) if match else None
 
 
-class BodyError(ProtocolError):
+class BodyError(Exception):
     """A request body problem, naming the offending field (OpenAI's ``param``)."""
 
-    def __init__(self, code: str, message: str, param: str | None) -> None:
-        super().__init__(code, message)
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
         self.param = param
 
 
@@ -123,29 +131,31 @@ class _ClientGone(Exception):
     """The client disconnected, stopped reading, or the stream failed after the headers went out."""
 
 
+class _StreamFailed(Exception):
+    """The stream failed; its error goes out as JSON if no audio has yet."""
+
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class HttpApi:
     """The aiohttp server for the OpenAI-compatible routes, on the app's event loop."""
 
-    def __init__(self, app: App) -> None:
-        self.app = app
-        self.settings = app.settings
-        self.service = app.service
+    def __init__(
+        self, service: SpeechService, info: ServerInfo, gate: AccessGate, settings: Settings, metrics: Metrics
+    ) -> None:
+        self.service = service
+        self.info = info
+        self.gate = gate
+        self.settings = settings
+        self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self.port: int | None = None  # bound port once started; None when off
 
-    async def start(self) -> None:
-        """Listen on ``--http-port`` (-1: WebSocket port + 1, ephemeral with ``--port 0``; 0: off).
-
-        With the default (-1), a busy port leaves the HTTP API off with a warning rather than
-        failing the server; an explicit port that cannot be bound raises ``OSError``.
-        """
-        s = self.settings
-        port = s.http_port
-        if port == 0:
-            return
-        if port < 0:
-            port = self.app.port + 1 if s.port else 0
-        web_app = web.Application(client_max_size=s.max_message_bytes, middlewares=[self._guard])
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
+        web_app = web.Application(client_max_size=self.settings.max_message_bytes, middlewares=[self._guard])
         web_app.router.add_post("/v1/audio/speech", self.speech)
         web_app.router.add_get("/v1/models", self.models)
         web_app.router.add_get("/v1/audio/voices", self.voices)
@@ -153,18 +163,9 @@ class HttpApi:
         # while the handler waits for audio, so its generation stops within one block.
         self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        try:
-            await web.TCPSite(self._runner, s.host, port).start()
-        except OSError as exc:
-            await self._runner.cleanup()
-            self._runner = None
-            if s.http_port > 0:
-                raise
-            # The port was not asked for: the WebSocket server must not fail because of it.
-            log.warning("OpenAI-compatible HTTP is off: port %d: %s (set --http-port)", port, exc)
-            return
-        self.port = int(self._runner.addresses[0][1])
-        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", s.host, self.port)
+        await web.SockSite(self._runner, sock).start()
+        self.port = int(sock.getsockname()[1])
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.settings.host, self.port)
 
     async def stop(self) -> None:
         """Stop listening; responses still running are cancelled (their streams freed)."""
@@ -175,13 +176,12 @@ class HttpApi:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """API keys and origins as on the WebSocket; aiohttp's own errors in OpenAI's shape."""
-        key = presented_key(request.path_qs, request.headers)
-        if self.app.api_keys.required and not self.app.api_keys.valid(key):
-            return error_response(
-                401, "invalid_api_key", "a valid API key is required (Authorization: Bearer)"
-            )
-        if not origin_allowed(request.headers.get("Origin"), self.app.allowed_origins):
-            return error_response(403, "forbidden", "this Origin may not use the API")
+        try:
+            request[CLIENT] = self.gate.admit(request.path_qs, request.headers, request.remote or "?")
+        except AccessDenied as denied:
+            if denied.kind == "unauthorized":
+                return error_response(401, "invalid_api_key", denied.message)
+            return error_response(403, "forbidden", denied.message)
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -199,7 +199,7 @@ class HttpApi:
     async def voices(self, request: web.Request) -> web.Response:
         """``GET /v1/audio/voices``: OpenAI names (with what they map to) and the engine's voices."""
         data = [{"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()]
-        data += [{"id": v, "voice": v} for v in self.app.scheduler.engine_info_voices]
+        data += [{"id": v, "voice": v} for v in self.info.voices]
         return web.json_response(
             {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
         )
@@ -208,117 +208,71 @@ class HttpApi:
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/audio/speech``: validate, open a stream, send its audio as it comes."""
-        metrics = self.app.metrics
+        lease = Lease(lambda reason: self._abort(request, reason))
         try:
-            self.service.check_accepting(None)
+            self.service.check_accepting()
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
-                metrics.errors.labels(code="bad_request").inc()
+                self.metrics.errors.labels(code="bad_request").inc()
                 return error_response(
                     413, "bad_request", f"request body over {self.settings.max_message_bytes} bytes"
                 )
-            body, fmt = self._parse(raw)
-            start = self._start_of(body, fmt)
-            key = presented_key(request.path_qs, request.headers)
-            ip = client_ip(
-                request.remote or "?", request.headers, trust_forwarded_for=self.settings.trust_forwarded_for
-            )
-            self.service.check_rate(client_identity(key, ip), None)
-            stream = self.service.open(
-                start, request, lambda s: self._abort(request, "too much unsent audio")
-            )
-        except ProtocolError as err:
-            metrics.errors.labels(code=err.code).inc()
-            param = err.param if isinstance(err, BodyError) else None
-            status = STATUS.get(err.code, 500)
-            return error_response(
-                status, err.code, err.message, param=param, retry_after_ms=err.retry_after_ms
-            )
+            body, fmt = _parse(raw)
+            self.service.check_rate(request[CLIENT])
+            stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
+        except BodyError as err:
+            self.metrics.errors.labels(code=err.code).inc()
+            return error_response(400, err.code, err.message, param=err.param)
+        except ServiceError as exc:
+            return self._service_error(exc)
         try:
-            return await self._pump(request, stream, fmt)
+            return await self._send_audio(request, stream, lease, FORMATS[fmt][2])
         except _ClientGone:
             return web.Response()  # never sent: aiohttp finds the connection gone
         finally:
             # Cancelled too (client gone, server stopping): nothing can resume an HTTP stream.
-            if not stream.session.ended:
-                stream.cancel()
-            await self._free(stream)
+            self.service.abandon(stream)
 
-    def _parse(self, raw: bytes) -> tuple[SpeechBody, str]:
-        try:
-            body = _decoder.decode(raw)
-        except msgspec.ValidationError as exc:
-            raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
-        except msgspec.DecodeError as exc:
-            raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
-        fmt = body.response_format
-        if fmt not in FORMATS:
-            message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"
-            raise BodyError("unsupported", message, "response_format")
-        if body.stream_format != "audio":
-            raise BodyError(
-                "unsupported", "only stream_format 'audio' is supported (no 'sse')", "stream_format"
-            )
-        if not OPENAI_SPEED[0] <= body.speed <= OPENAI_SPEED[1]:
-            low, high = OPENAI_SPEED
-            raise BodyError("bad_request", f"speed must be within {low} and {high}", "speed")
-        return body, fmt
+    def _service_error(self, exc: ServiceError) -> web.Response:
+        code = code_of(exc)
+        self.metrics.errors.labels(code=code).inc()
+        return error_response(STATUS.get(code, 500), code, exc.message, retry_after_ms=exc.retry_after_ms)
 
-    def _start_of(self, body: SpeechBody, fmt: str) -> Start:
-        our_format, rate, _ = FORMATS[fmt]
-        voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
-        return Start(
-            id="http",
-            text=body.input,
-            voice=OPENAI_VOICES.get(voice, voice),
-            speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
-            format=our_format,
-            sample_rate=body.sample_rate or rate,
-            seed=body.seed,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-        )
-
-    async def _pump(self, request: web.Request, stream: Stream, fmt: str) -> web.StreamResponse:
+    async def _send_audio(
+        self, request: web.Request, stream: Stream, lease: Lease, content_type: str
+    ) -> web.StreamResponse:
         """Send every frame payload as it appears; all ready frames go out in one chunk.
 
         The headers wait for the first audio, so a stream that fails before any gets a
         JSON error; one that fails later is cut off (the chunked body never ends cleanly).
         """
-        session = stream.session
-        metrics = self.app.metrics
-        response = web.StreamResponse(headers={"Content-Type": FORMATS[fmt][2], "Cache-Control": "no-store"})
+        outbox = stream.outbox
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-store"})
         response.enable_chunked_encoding()
-        index = session.sent_index
-        while (item := await session.wait_item(index)) is not None:
+
+        async def write(items: list[OutItem]) -> None:
             chunk = bytearray()
-            error: dict[str, Any] | None = None
-            while item is not None:
-                if item.is_frame:
+            for item in items:
+                if isinstance(item, Frame):
                     chunk += item.payload
-                    metrics.frames_sent.inc()
-                elif item.message is not None and item.message["type"] == "error":
-                    error = item.message
-                index += 1
-                item = session.item(index)
-            if error is not None:
-                metrics.errors.labels(code=error["code"]).inc()
-                if not response.prepared:
-                    return error_response(STATUS.get(error["code"], 500), error["code"], error["message"])
-                self._abort(request, f"stream failed: {error['code']}")
-                raise _ClientGone
-            if chunk or (session.ended and not response.prepared):
+                elif isinstance(item, Failure):
+                    raise _StreamFailed(item.error)
+            if chunk or (outbox.ended and not response.prepared):
                 if not response.prepared:
                     await response.prepare(request)
-                    if fmt == "wav":
-                        chunk[:0] = wav_header(session.sample_rate)
+                    if content_type == "audio/wav":
+                        chunk[:0] = wav_header(outbox.sample_rate)
                 await self._write(request, response, bytes(chunk))
-                if session.first_frame_at is None:
-                    session.first_frame_at = time.monotonic()
-                    metrics.time_to_first_audio.observe(session.first_frame_at - session.created)
-            session.mark_sent(index)
+
+        try:
+            await self.service.deliver(stream, lease, outbox.sent_index, write)
+        except _StreamFailed as failed:
+            if not response.prepared:
+                return self._service_error(failed.error)
+            self.metrics.errors.labels(code=code_of(failed.error)).inc()
+            self._abort(request, f"stream failed: {code_of(failed.error)}")
+            raise _ClientGone from None
         try:
             await response.write_eof()
         except ConnectionError:
@@ -335,20 +289,47 @@ class HttpApi:
             raise _ClientGone from None
         except ConnectionError:  # aiohttp's ClientConnectionResetError is one
             raise _ClientGone from None
-        self.app.metrics.bytes_sent.inc(len(data))
+        self.metrics.bytes_sent.inc(len(data))
 
     def _abort(self, request: web.Request, reason: str) -> None:
         """Drop the client's TCP connection (a reader that falls behind, or a failed stream)."""
         log.warning("aborting HTTP response to %s: %s", request.remote, reason)
-        self.app.metrics.errors.labels(code="aborted").inc()
+        self.metrics.errors.labels(code="aborted").inc()
         if request.transport is not None:
             request.transport.abort()
 
-    async def _free(self, stream: Stream) -> None:
-        """Count the stream by its end and drop it at once (no resume over HTTP)."""
-        if stream.session.ended:
-            self.service.delivered(stream)  # counts its done reason
-        else:  # cancelled, its encoder worker has not ended the session yet
-            stream.delivered = True  # so forget() does not count it as "expired"
-            self.app.metrics.streams_total.labels(reason="cancelled").inc()
-        await self.service.forget(stream)
+
+def _parse(raw: bytes) -> tuple[SpeechBody, str]:
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise BodyError("bad_request", f"malformed JSON: {exc}") from None
+    fmt = body.response_format
+    if fmt not in FORMATS:
+        message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"
+        raise BodyError("unsupported", message, "response_format")
+    if body.stream_format != "audio":
+        raise BodyError("unsupported", "only stream_format 'audio' is supported (no 'sse')", "stream_format")
+    if not OPENAI_SPEED[0] <= body.speed <= OPENAI_SPEED[1]:
+        low, high = OPENAI_SPEED
+        raise BodyError("bad_request", f"speed must be within {low} and {high}", "speed")
+    return body, fmt
+
+
+def _request_of(body: SpeechBody, fmt: str) -> SpeechRequest:
+    our_format, rate, _ = FORMATS[fmt]
+    voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
+    return SpeechRequest(
+        name="http",
+        text=body.input,
+        voice=OPENAI_VOICES.get(voice, voice),
+        speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
+        format=our_format,
+        sample_rate=body.sample_rate or rate,
+        seed=body.seed,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+    )

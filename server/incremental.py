@@ -2,9 +2,10 @@
 
 A :class:`TextFeed` belongs to one stream. It buffers text
 (:class:`~server.text.TextBuffer`), hands each complete segment to the
-scheduler at once, and speaks an incomplete clause when no text has arrived
-for ``max_buffer_delay_ms`` (the stall timer restarts on every ``append``).
-All of it runs on the event loop; the timer is owned and cancelled here.
+stream's :class:`~server.core.client.Generation` at once, and speaks an
+incomplete clause when no text has arrived for ``max_buffer_delay_ms`` (the
+stall timer restarts on every ``append``). All of it runs on the event loop;
+the timer is owned and cancelled here.
 """
 
 from __future__ import annotations
@@ -12,111 +13,88 @@ from __future__ import annotations
 import asyncio
 
 from server import tags
-from server.protocol import Append, End, Flush, ProtocolError
-from server.scheduler import ScheduledStream
+from server.core.client import Generation
+from server.errors import InvalidRequest, TextTooLong
 from server.text import TextBuffer
 
 
 class TextFeed:
-    """The text side of one incremental stream."""
+    """The text side of one incremental stream (its first text already went out with the stream)."""
 
     def __init__(
         self,
+        generation: Generation,
+        buffer: TextBuffer,
         *,
-        stream_id: str,
-        max_segment_chars: int,
+        total_chars: int,
         max_total_chars: int,
         max_pending_chars: int,
         delay_s: float,
     ) -> None:
-        self.stream_id = stream_id
-        self.buffer = TextBuffer(max_chars=max_segment_chars)
+        self._generation = generation
+        self.buffer = buffer
+        self.total_chars = total_chars
         self.max_total_chars = max_total_chars
         self.max_pending_chars = max_pending_chars
         self.delay_s = delay_s
-        self.handle: ScheduledStream | None = None
-        self.total_chars = 0
         self.ended = False
         self._timer: asyncio.TimerHandle | None = None
-
-    def first(self, text: str) -> list[str]:
-        """Segments of the text that came with ``start`` (submitted with the stream)."""
-        self._check_tags(text, open_end=True)
-        self._count(text)
-        segments = self.buffer.append(text)
         self._arm()
-        return segments
-
-    def apply(self, message: Append | Flush | End) -> None:
-        """Carry out a client's ``append``, ``flush`` or ``end``."""
-        if isinstance(message, Append):
-            self.append(message.text)
-        elif isinstance(message, Flush):
-            self.flush()
-        else:
-            self.end()
 
     def append(self, text: str) -> None:
-        """More text. Raises ProtocolError (``bad_request``, ``text_too_long``)."""
+        """More text.
+
+        Raises:
+            InvalidRequest: the text already ended, or a control tag is unknown or cannot close.
+            TextTooLong: over the stream's total, or too much waiting for a sentence end.
+        """
         self._check_open()
         self._check_tags(self.buffer.pending + text, open_end=True)
-        self._count(text)
+        if self.total_chars + len(text) > self.max_total_chars:
+            raise TextTooLong(f"the stream's text would exceed {self.max_total_chars} characters")
         if len(self.buffer.pending) + len(text) > self.max_pending_chars:
-            raise ProtocolError(
-                "text_too_long",
-                f"more than {self.max_pending_chars} characters wait for a sentence end; send `flush`",
-                stream_id=self.stream_id,
+            raise TextTooLong(
+                f"more than {self.max_pending_chars} characters wait for a sentence end; send `flush`"
             )
+        self.total_chars += len(text)
         self._submit(self.buffer.append(text))
         self._arm()
 
     def flush(self) -> None:
-        """Speak what is buffered now."""
+        """Speak what is buffered now (refused while a control tag is still open)."""
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
 
     def end(self) -> None:
-        """No more text: speak the rest, then the stream finishes."""
+        """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
         self.ended = True
-        if self.handle is not None:
-            self.handle.end_input()
+        self._generation.end_input()
 
     def close(self) -> None:
-        """The stream is over (cancelled, failed or forgotten): stop the timer."""
+        """The stream is over (cancelled, failed or freed): stop the timer."""
         self.ended = True
         self._disarm()
 
     def _check_open(self) -> None:
         if self.ended:
-            raise ProtocolError(
-                "bad_request", f"stream {self.stream_id!r} already ended its text", stream_id=self.stream_id
-            )
+            raise InvalidRequest("the stream already ended its text")
 
-    def _check_tags(self, text: str, *, open_end: bool) -> None:
+    @staticmethod
+    def _check_tags(text: str, *, open_end: bool) -> None:
         """Control tags must be known; a tag may stay open only while more text can come."""
         problem = tags.problem(text, open_end=open_end)
         if problem is not None:
-            raise ProtocolError("bad_request", problem, stream_id=self.stream_id)
-
-    def _count(self, text: str) -> None:
-        if self.total_chars + len(text) > self.max_total_chars:
-            raise ProtocolError(
-                "text_too_long",
-                f"the stream's text would exceed {self.max_total_chars} characters",
-                stream_id=self.stream_id,
-            )
-        self.total_chars += len(text)
+            raise InvalidRequest(problem)
 
     def _submit(self, segments: list[str]) -> None:
-        if self.handle is not None:
-            for segment in segments:
-                self.handle.append_segment(segment)
+        for segment in segments:
+            self._generation.append(segment)
 
     def _arm(self) -> None:
         """(Re)start the stall timer while text is pending."""

@@ -1,7 +1,9 @@
-"""Wire protocol v1: message types, parsing with error codes, the audio header.
+"""Wire protocol v1: message types, parsing with error codes, every server message, the audio header.
 
 Pure values in, pure values out: nothing here touches sockets or asyncio,
-so every rule of ``docs/protocol.md`` is testable with plain strings.
+so every rule of ``docs/protocol.md`` is testable with plain strings. This is
+also where domain errors (``server.errors``) get their wire codes
+(:func:`code_of`); the OpenAI-compatible endpoint uses the same codes.
 Validation of client messages is done by ``msgspec`` (typed structs with a
 ``type`` tag), which gives precise messages such as
 ``Expected `str`, got `int` - at `$.id```.
@@ -11,9 +13,15 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final
 
 import msgspec
+
+from server import errors
+from server.core.events import EndReason
+from server.frontend import ServerInfo
+from server.outbox import Done, Frame, SegmentMark
+from server.request import SpeechRequest
 
 PROTOCOL_VERSION: Final = 1
 HEADER = struct.Struct("<BBHII")
@@ -38,8 +46,9 @@ class ProtocolError(Exception):
     Attributes:
         code: one of the codes of the protocol's error table.
         message: human readable, safe to send (no internals).
-        stream_id: the client's stream id when the error concerns one stream.
+        name: the client's id of the stream the error concerns, if one.
         retry_after_ms: set when retrying later may succeed.
+        token: the resume token the client sent (resume errors name it).
     """
 
     def __init__(
@@ -47,16 +56,49 @@ class ProtocolError(Exception):
         code: str,
         message: str,
         *,
-        stream_id: str | None = None,
+        name: str | None = None,
         retry_after_ms: int | None = None,
         token: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.stream_id = stream_id
+        self.name = name
         self.retry_after_ms = retry_after_ms
         self.token = token
+
+
+#: Each domain error's wire code (``docs/protocol.md``'s error table).
+CODES: Final[dict[type[errors.ServiceError], str]] = {
+    errors.InvalidRequest: "bad_request",
+    errors.TextTooLong: "text_too_long",
+    errors.Unsupported: "unsupported",
+    errors.RateLimited: "rate_limited",
+    errors.Overloaded: "overloaded",
+    errors.Draining: "shutting_down",
+    errors.EngineFailed: "engine_error",
+    errors.EngineUnavailable: "internal",
+    errors.UnknownStream: "unknown_stream",
+    errors.ResumeExpired: "resume_expired",
+}
+
+
+def code_of(error: errors.ServiceError) -> str:
+    """The wire code of a domain error (``internal`` for one without its own)."""
+    for kind in type(error).__mro__:
+        code = CODES.get(kind)
+        if code is not None:
+            return code
+    return "internal"
+
+
+def wire_error(
+    error: errors.ServiceError, *, name: str | None = None, token: str | None = None
+) -> ProtocolError:
+    """A domain error as the ``error`` message it is answered with."""
+    return ProtocolError(
+        code_of(error), error.message, name=name, retry_after_ms=error.retry_after_ms, token=token
+    )
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, frozen=True):
@@ -128,7 +170,7 @@ def parse_client_message(raw: str | bytes) -> ClientMessage:
     try:
         return _decoder.decode(raw)
     except msgspec.ValidationError as exc:
-        raise ProtocolError("bad_request", _describe(exc), stream_id=_stream_id_of(raw)) from None
+        raise ProtocolError("bad_request", _describe(exc), name=_name_of(raw)) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
 
@@ -143,13 +185,31 @@ def _describe(exc: msgspec.ValidationError) -> str:
 _TYPES: Final = ("start", "cancel", "append", "flush", "end", "resume")
 
 
-def _stream_id_of(raw: str) -> str | None:
+def _name_of(raw: str) -> str | None:
     """Best-effort ``id`` of an invalid message, so the error can name the stream."""
     try:
         value = _probe.decode(raw).get("id")
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
+
+
+def speech_request(msg: Start) -> SpeechRequest:
+    """The service's request for a ``start`` message."""
+    return SpeechRequest(
+        name=msg.id,
+        text=msg.text,
+        voice=msg.voice,
+        speed=msg.speed,
+        format=msg.format,
+        sample_rate=msg.sample_rate,
+        seed=msg.seed,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        incremental=msg.incremental,
+        max_buffer_delay_ms=msg.max_buffer_delay_ms,
+    )
 
 
 # --- server to client -------------------------------------------------------
@@ -162,49 +222,106 @@ def encode(message: dict[str, Any]) -> str:
     return _encoder.encode(message).decode("utf-8")
 
 
-def hello(
-    *,
-    server: str,
-    sample_rate: int,
-    sample_rates: list[int],
-    formats: list[str],
-    voices: list[str],
-    max_text_chars: int,
-    max_streams: int,
-    resume_ttl_s: float,
-    weights: str | None = None,
-) -> dict[str, Any]:
-    """The first message on every connection (``weights``: when the engine says what it loaded)."""
+def hello(info: ServerInfo) -> str:
+    """The first message on every connection (``weights`` when the engine says what it loaded)."""
     message: dict[str, Any] = {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
-        "server": server,
-        "sample_rate": sample_rate,
-        "sample_rates": sample_rates,
-        "formats": formats,
-        "voices": voices,
-        "max_text_chars": max_text_chars,
-        "max_streams": max_streams,
-        "resume_ttl_s": resume_ttl_s,
+        "server": info.server,
+        "sample_rate": info.sample_rate,
+        "sample_rates": list(info.sample_rates),
+        "formats": list(info.formats),
+        "voices": list(info.voices),
+        "max_text_chars": info.max_text_chars,
+        "max_streams": info.max_streams,
+        "resume_ttl_s": info.resume_ttl_s,
     }
-    if weights is not None:
-        message["weights"] = weights
-    return message
+    if info.weights is not None:
+        message["weights"] = info.weights
+    return encode(message)
 
 
-def error(err: ProtocolError) -> dict[str, Any]:
+def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int) -> str:
+    """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first)."""
+    message: dict[str, Any] = {
+        "type": "started",
+        "id": name,
+        "slot": slot,
+        "stream": token,
+        "format": fmt,
+        "sample_rate": sample_rate,
+        "frame_ms": 20,
+    }
+    if preskip:
+        message["preskip"] = preskip
+    return encode(message)
+
+
+def resumed(
+    name: str, slot: int, token: str, after_seq: int, fmt: str, sample_rate: int, preskip: int
+) -> str:
+    """The answer to ``resume``; every item after ``after_seq`` follows."""
+    message: dict[str, Any] = {
+        "type": "resumed",
+        "id": name,
+        "slot": slot,
+        "stream": token,
+        "after_seq": after_seq,
+        "format": fmt,
+        "sample_rate": sample_rate,
+    }
+    if preskip:
+        message["preskip"] = preskip
+    return encode(message)
+
+
+def segment(name: str, slot: int, mark: SegmentMark) -> str:
+    """A text segment starts in the frame with seq ``mark.position``."""
+    return encode(
+        {
+            "type": "segment",
+            "id": name,
+            "slot": slot,
+            "seq": mark.position,
+            "sample": mark.sample,
+            "text": mark.text,
+        }
+    )
+
+
+def done(name: str, slot: int, item: Done) -> str:
+    """The stream's last message."""
+    return encode(
+        {
+            "type": "done",
+            "id": name,
+            "slot": slot,
+            "reason": item.reason,
+            "last_seq": item.last_seq,
+            "samples": item.samples,
+        }
+    )
+
+
+def frame(slot: int, item: Frame) -> bytes:
+    """An audio frame with its 12-byte header, ready to send as one binary message."""
+    flags = (FLAG_LAST if item.last else 0) | (FLAG_SEGMENT_START if item.segment_start else 0)
+    return HEADER.pack(PROTOCOL_VERSION, flags, slot, item.position, item.sample) + item.payload
+
+
+def error(err: ProtocolError) -> str:
     """An ``error`` message for ``err``."""
     message: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message}
-    if err.stream_id is not None:
-        message["id"] = err.stream_id
+    if err.name is not None:
+        message["id"] = err.name
     if err.retry_after_ms is not None:
         message["retry_after_ms"] = err.retry_after_ms
     if err.token is not None:  # resume errors name the token the client sent
         message["stream"] = err.token
-    return message
+    return encode(message)
 
 
-DoneReason = Literal["complete", "cancelled", "error"]
+DoneReason = EndReason
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,52 +1,65 @@
-"""Opening, finding and expiring streams: what the WebSocket and HTTP front ends share.
+"""The stream-level API every front end shares: open, resume, deliver, detach, free.
 
-:class:`SpeechService` validates a ``start`` request, splits its text,
-builds the stream's session and encoder, submits it to the scheduler and
-registers it for resume. Front ends (``connection.py``, the HTTP speech
-endpoint) only translate their wire format to a :class:`~server.protocol.Start`.
+:class:`SpeechService` validates a :class:`SpeechRequest`, splits its text,
+builds the stream (encoder, outbox, generation, text input) complete, and
+registers it for resume. :meth:`SpeechService.deliver` is the one outbox
+reader: a front end passes a ``write`` that puts a run of items on its wire,
+and the service marks them sent, counts the first audio and delivers the
+stream. Errors are domain errors (``server.errors``); each front end maps
+them to its own wire codes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from server.audio import UnsupportedAudio, make_encoder
 from server.audio.base import FrameEncoder
 from server.cache import ResponseCache, cache_key
 from server.config import Settings
-from server.engine.base import SynthesisParams
+from server.core.client import EngineClient, GenerateRequest, Generation
+from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
 from server.incremental import TextFeed
 from server.limits import ClientLimiter
 from server.metrics import Metrics
-from server.protocol import ProtocolError, Start
-from server.scheduler import Scheduler
-from server.session import StreamSession, new_stream_token, redact
-from server.streams import Stream, StreamRegistry
+from server.outbox import Frame, Outbox, OutItem
+from server.registry import StreamRegistry
+from server.request import SpeechRequest
+from server.stream import Lease, Stream, StreamState, new_stream_token, redact
 from server.tags import problem as tag_problem
-from server.text import has_speakable, split_segments
+from server.text import TextBuffer, has_speakable, split_segments
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
+#: A front end's writer: puts a run of items on its wire, in order (raises when it cannot).
+Write = Callable[[list[OutItem]], Awaitable[None]]
 
 
 class SpeechService:
-    """The stream-level API over the scheduler, shared by every front end."""
+    """Streams over the engine client, shared by every front end."""
 
-    def __init__(self, settings: Settings, scheduler: Scheduler, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: EngineClient,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
-        self.scheduler = scheduler
+        self.engine = engine
         self.metrics = metrics
-        self.registry = StreamRegistry(ttl_s=settings.resume_ttl_s)
-        # Opus/Ogg encoding runs here so the event loop never waits for libopus.
-        self.encode_pool = ThreadPoolExecutor(
-            max_workers=settings.encode_threads, thread_name_prefix="encode"
-        )
+        self._clock = clock
+        self.registry = StreamRegistry(ttl_s=settings.resume_ttl_s, clock=clock)
+        #: SIGTERM was received: new streams are refused with ``Draining``.
         self.draining = False
-        self._sweeper: asyncio.Task[None] | None = None
+        # Opus/Ogg encoding runs here so the event loop never waits for libopus.
+        self._pool = ThreadPoolExecutor(max_workers=settings.encode_threads, thread_name_prefix="encode")
+        self._tasks: set[asyncio.Task[None]] = set()  # one per generating stream, and the sweeper
         self.cache = ResponseCache(settings.cache_bytes) if settings.cache_bytes > 0 else None
         self.limiter = ClientLimiter(
             streams_per_minute=settings.rate_limit_per_min,
@@ -54,190 +67,254 @@ class SpeechService:
             max_connections=settings.max_connections_per_client,
         )
 
-    @property
-    def engine_identity(self) -> str:
-        """What besides the request decides the audio: the engine, its weights and block schedule."""
-        s = self.settings
-        return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
+    # --- admission -------------------------------------------------------------------------
 
-    def check_accepting(self, stream_id: str | None) -> None:
-        """Raise ``shutting_down`` while the server drains."""
+    def check_accepting(self) -> None:
+        """Raise ``Draining`` while the server drains."""
         if self.draining:
-            raise ProtocolError(
-                "shutting_down", "the server is draining; reconnect elsewhere", stream_id=stream_id
-            )
+            raise Draining("the server is draining; reconnect elsewhere")
 
-    def check_rate(self, client: str, stream_id: str | None) -> None:
-        """Raise ``rate_limited`` (with ``retry_after_ms``) when ``client`` starts too often."""
+    def check_rate(self, client: str) -> None:
+        """Raise ``RateLimited`` (with ``retry_after_ms``) when ``client`` starts too often."""
         wait_ms = self.limiter.retry_after_ms(client)
         if wait_ms:
-            raise ProtocolError(
-                "rate_limited",
-                "too many streams started; slow down",
-                stream_id=stream_id,
-                retry_after_ms=wait_ms,
-            )
+            raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
+
+    # --- opening -------------------------------------------------------------------------------
 
     def open(
-        self, msg: Start, owner: object, on_overflow: Callable[[Stream], None], *, route: str | None = None
+        self, request: SpeechRequest, lease: Lease, *, route: str | None = None, resumable: bool = True
     ) -> Stream:
-        """Validate ``msg``, submit it to the scheduler (or answer it from the cache), register it.
+        """Validate ``request``, start generating it (or answer it from the cache), register it.
+
+        ``lease`` is the front end that sends the stream; ``route`` goes into the token.
 
         Raises:
-            ProtocolError: with the wire code (``shutting_down``, ``text_too_long``,
-                ``unsupported``, ``bad_request``, ``overloaded``).
+            ServiceError: ``Draining``, ``InvalidRequest``, ``TextTooLong``, ``Unsupported``,
+                ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
         """
-        self.check_accepting(msg.id)
-        encoder = self._encoder_for(msg)
-        segments, feed = self._plan_text(msg)
+        self.check_accepting()
+        encoder = self._encoder_for(request)
         s = self.settings
-        session = StreamSession(
-            client_id=msg.id,
-            fmt=encoder.format,
+        outbox = Outbox(
             sample_rate=encoder.sample_rate,
             max_unsent_s=s.max_buffered_s,
             replay_max_s=s.replay_max_s,
             replay_max_bytes=s.replay_max_bytes,
-            token=new_stream_token(route),
         )
-        stream = Stream(session, encoder, pool=self.encode_pool, on_overflow=on_overflow)
-        key = cache_key(msg, segments, self.engine_identity) if self.cache is not None else None
-        cached = self.cache.get(key) if self.cache is not None and key is not None else None
-        if cached is not None:
-            session.load(cached.items)  # a hit: every frame is ready now, no model work
-            self.metrics.cache_hits.inc()
+        generation: Generation | None = None
+        text_feed: TextFeed | None = None
+        on_complete: Callable[[Stream], None] | None = None
+        if request.incremental:
+            generation, text_feed = self._start_incremental(request)
         else:
-            if key is not None:
-                self.metrics.cache_misses.inc()
-                stream.on_complete = lambda done: self._store(key, done)
-            try:
-                stream.handle = self.scheduler.submit(
-                    segments, params_of(msg), stream.feed, incremental=msg.incremental
-                )
-            except ProtocolError as err:  # overloaded, breaker open: name the stream it concerns
-                err.stream_id = msg.id
-                raise
-            if feed is not None:
-                feed.handle = stream.handle
-                stream.text_feed = feed
-        self.registry.add(stream, owner)
-        self.metrics.active_streams.set(self.registry.active)
+            segments = self._segments(request)
+            key = cache_key(request, segments, self._engine_identity) if self.cache is not None else None
+            cached = self.cache.get(key) if self.cache is not None and key is not None else None
+            if cached is not None:
+                outbox.load(cached.items)  # a hit: every frame is ready now, no model work
+                self.metrics.cache_hits.inc()
+            else:
+                if key is not None:
+                    self.metrics.cache_misses.inc()
+                    on_complete = self._storer(key)
+                generation = self.engine.generate(GenerateRequest(segments=segments, params=request.params))
+        stream = Stream(
+            name=request.name,
+            token=new_stream_token(route),
+            encoder=encoder,
+            outbox=outbox,
+            lease=lease,
+            metrics=self.metrics,
+            pool=self._pool,
+            generation=generation,
+            text=text_feed,
+            resumable=resumable,
+            on_complete=on_complete,
+            clock=self._clock,
+        )
+        self.registry.add(stream)
+        if generation is not None:
+            self._own(asyncio.create_task(stream.run(), name=f"stream-{redact(stream.token)}"))
         return stream
 
-    def _encoder_for(self, msg: Start) -> FrameEncoder:
-        """The stream's encoder; checks text size, format, rate and voice first."""
+    def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
+        """The stream's encoder; checks text size, control tags, format, rate and voice first."""
         limit = self.settings.max_text_chars
-        if msg.text is None and not msg.incremental:
-            raise ProtocolError("bad_request", "missing field `text`", stream_id=msg.id)
-        if msg.text is not None and len(msg.text) > limit:
-            raise ProtocolError(
-                "text_too_long",
-                f"text has {len(msg.text)} characters; the limit is {limit}",
-                stream_id=msg.id,
-            )
+        if request.text is None and not request.incremental:
+            raise InvalidRequest("missing field `text`")
+        if request.text is not None and len(request.text) > limit:
+            raise TextTooLong(f"text has {len(request.text)} characters; the limit is {limit}")
+        # An incremental stream's first text may end inside a tag that a later append closes.
+        if (problem := tag_problem(request.text or "", open_end=request.incremental)) is not None:
+            raise InvalidRequest(problem)
+        s = self.settings
         try:
-            s = self.settings
             encoder = make_encoder(
-                msg.format,
-                msg.sample_rate,
+                request.format,
+                request.sample_rate,
                 opus_bitrate=s.opus_bitrate,
                 opus_complexity=s.opus_complexity,
                 ogg_page_ms=s.ogg_page_ms,
                 mp3_bitrate=s.mp3_bitrate,
             )
         except (UnsupportedAudio, ValueError) as exc:
-            raise ProtocolError("unsupported", str(exc), stream_id=msg.id) from None
-        if not self.scheduler.validate_voice(msg.voice):
-            raise ProtocolError("unsupported", f"unknown voice {msg.voice!r}", stream_id=msg.id)
+            raise Unsupported(str(exc)) from None
+        if not self.engine.validate_voice(request.voice):
+            raise Unsupported(f"unknown voice {request.voice!r}")
         return encoder
 
-    def _plan_text(self, msg: Start) -> tuple[list[str], TextFeed | None]:
-        """The segments to submit now, and the text feed of an incremental stream."""
+    def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
+        max_chars = self.settings.segment_max_chars
+        text = request.text or ""
+        segments = tuple(seg for seg in split_segments(text, max_chars=max_chars) if has_speakable(seg))
+        if not segments:
+            raise InvalidRequest("text has nothing to speak")
+        return segments
+
+    def _start_incremental(self, request: SpeechRequest) -> tuple[Generation, TextFeed]:
         s = self.settings
-        if not msg.incremental:
-            text = msg.text or ""
-            if (problem := tag_problem(text)) is not None:
-                raise ProtocolError("bad_request", problem, stream_id=msg.id)
-            segments = [
-                seg for seg in split_segments(text, max_chars=s.segment_max_chars) if has_speakable(seg)
-            ]
-            if not segments:
-                raise ProtocolError("bad_request", "text has nothing to speak", stream_id=msg.id)
-            return segments, None
-        delay_ms = s.max_buffer_delay_ms if msg.max_buffer_delay_ms is None else msg.max_buffer_delay_ms
+        text = request.text or ""
+        buffer = TextBuffer(max_chars=s.segment_max_chars)
+        first = tuple(buffer.append(text))
+        generation = self.engine.generate(
+            GenerateRequest(segments=first, params=request.params, incremental=True)
+        )
+        delay_ms = (
+            s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
+        )
         feed = TextFeed(
-            stream_id=msg.id,
-            max_segment_chars=s.segment_max_chars,
+            generation,
+            buffer,
+            total_chars=len(text),
             max_total_chars=s.max_text_chars,
             max_pending_chars=s.max_pending_chars,
             delay_s=delay_ms / 1000,
         )
-        return feed.first(msg.text or ""), feed
+        return generation, feed
 
-    def delivered(self, stream: Stream) -> None:
-        """A stream's ``done`` was sent: count it, keep it briefly for a late resume."""
-        self.metrics.streams_total.labels(reason=stream.session.done_reason or "error").inc()
+    @property
+    def _engine_identity(self) -> str:
+        """What besides the request decides the audio: the engine, its weights and block schedule."""
+        s = self.settings
+        return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
+
+    def _storer(self, key: str) -> Callable[[Stream], None]:
+        def store(stream: Stream) -> None:
+            items = stream.outbox.snapshot()
+            if self.cache is not None and items is not None:
+                self.cache.put(key, items)
+                self.metrics.cache_bytes.set(self.cache.size)
+
+        return store
+
+    # --- resuming, sending, freeing -------------------------------------------------------------------
+
+    def find(self, token: str) -> Stream:
+        """The stream behind a resume token.
+
+        Raises:
+            UnknownStream: no stream with this token is held here.
+        """
+        stream = self.registry.get(token)
+        if stream is None or not stream.resumable:
+            raise UnknownStream("no stream with this token is held here")
+        return stream
+
+    def resume(self, stream: Stream, after_seq: int, lease: Lease) -> int:
+        """Move ``stream`` to ``lease`` and rewind it; returns the outbox index to send from.
+
+        Raises:
+            ResumeExpired: items after ``after_seq`` were evicted (nothing changed then).
+        """
+        stream.outbox.check_resumable(after_seq)
+        stream.attach(lease)
+        index = stream.outbox.rewind_to(after_seq)
+        log.info("stream %s resumed after seq %d", redact(stream.token), after_seq)
+        return index
+
+    async def deliver(self, stream: Stream, lease: Lease, index: int, write: Write) -> bool:
+        """The one outbox reader: every ready run of items from ``index`` to ``write``, in order.
+
+        Returns:
+            True when ``done`` went out (the stream is delivered); False when the
+            stream moved to another sender first.
+        """
+        outbox = stream.outbox
+        while not lease.revoked:
+            items = outbox.ready(index)
+            if not items:
+                if outbox.ended:
+                    break
+                await outbox.wait_change()
+                continue
+            await write(items)
+            index += len(items)
+            stream.sent(lease, index, sum(1 for item in items if isinstance(item, Frame)))
+        if lease.revoked:
+            return False
+        stream.delivered(lease)
+        if not stream.resumable or self.registry.ttl_s <= 0:
+            self._free(stream)
+        return True
+
+    def detach(self, stream: Stream, lease: Lease) -> None:
+        """``lease``'s connection is gone: the stream waits for a resume, or is freed (TTL 0)."""
+        stream.detach(lease)
+        if stream.state is not StreamState.DETACHED:
+            return
         if self.registry.ttl_s <= 0:
-            self.registry.remove(stream)
+            self._free(stream, expire=True)
         else:
-            self.registry.linger(stream)
-        self.metrics.active_streams.set(self.registry.active)
+            log.info("stream %s detached; resumable for %.0f s", redact(stream.token), self.registry.ttl_s)
 
-    def _store(self, key: str, stream: Stream) -> None:
-        items = stream.session.snapshot()
-        if self.cache is not None and items is not None:
-            self.cache.put(key, items)
-            self.metrics.cache_bytes.set(self.cache.size)
+    def abandon(self, stream: Stream) -> None:
+        """A front end that cannot resume (HTTP) is done with the stream, delivered or not: free it."""
+        if stream.state not in (StreamState.EXPIRED, StreamState.CLOSED):
+            outbox = stream.outbox
+            stream.close(outbox.done_reason if outbox.ended and outbox.done_reason else "cancelled")
+            self.registry.remove(stream)
 
-    async def forget(self, stream: Stream) -> None:
-        """Stop a stream's work and drop it from the registry."""
+    def _free(self, stream: Stream, *, expire: bool = False) -> None:
+        if expire:
+            stream.expire()
+        else:
+            stream.close()
         self.registry.remove(stream)
-        self.metrics.active_streams.set(self.registry.active)
-        if not stream.delivered:
-            self.metrics.streams_total.labels(reason="expired").inc()
-        await stream.aclose()
 
-    # --- the TTL sweeper -------------------------------------------------------
+    # --- the TTL sweeper and shutdown ----------------------------------------------------------------
 
     def start(self) -> None:
         """Start expiring detached streams."""
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="resume-ttl-sweeper")
+        self._own(asyncio.create_task(self._sweep_forever(), name="resume-ttl-sweeper"))
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            await self.sweep()
+            self.sweep()
 
-    async def sweep(self) -> None:
-        """Cancel and free every detached stream whose resume TTL has passed."""
+    def sweep(self) -> None:
+        """Free every stream whose TTL has passed, then delivered ones over the replay budget."""
         for stream in self.registry.expired():
-            if not stream.delivered:
-                log.info(
-                    "stream %s expired: not resumed within %.0f s", redact(stream.token), self.registry.ttl_s
-                )
-            await self.forget(stream)
+            self._free(stream, expire=stream.state is StreamState.DETACHED)
         for stream in self.registry.over_budget(self.settings.replay_total_bytes):
-            await self.forget(stream)
+            self._free(stream)
 
     async def stop(self) -> None:
-        """Stop the sweeper, free every stream, stop the encoder threads."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        """Free every stream, stop the sweeper and the streams' tasks, stop the encoder threads."""
         for stream in self.registry.all():
-            await self.forget(stream)
-        self.encode_pool.shutdown(wait=True, cancel_futures=True)
+            self._free(stream)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def _own(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
 
-def params_of(msg: Start) -> SynthesisParams:
-    """Synthesis parameters of a ``start``; unset sampling controls keep the model's defaults."""
-    defaults = SynthesisParams()
-    return SynthesisParams(
-        voice=msg.voice,
-        speed=msg.speed,
-        seed=msg.seed,
-        temperature=defaults.temperature if msg.temperature is None else msg.temperature,
-        top_p=defaults.top_p if msg.top_p is None else msg.top_p,
-        top_k=defaults.top_k if msg.top_k is None else msg.top_k,
-    )
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())

@@ -1,9 +1,9 @@
 """Warm-up before ``/ready``: typical texts in each language through the real path.
 
 The engine's own ``warmup()`` runs first on the inference thread (kernels,
-allocator). Then these requests go through the scheduler like any client's,
-so batching, the decoder's buffers and the text path are all exercised
-before a load balancer sends the first real request.
+allocator). Then these requests go through the engine client like any
+client's, so batching, the decoder's buffers and the text path are all
+exercised before a load balancer sends the first real request.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import asyncio
 import logging
 import time
 
+from server.core.client import EngineClient, GenerateRequest, Generation
 from server.engine.base import SynthesisParams
-from server.scheduler import Scheduler
-from server.stream_order import StreamEnded, StreamEvent
 
 log = logging.getLogger(__name__)
 
@@ -26,19 +25,18 @@ WARMUP_TEXTS: tuple[tuple[str, ...], ...] = (
 )
 
 
-async def warm_up(scheduler: Scheduler, *, timeout_s: float = 600.0) -> None:
+async def warm_up(engine: EngineClient, *, timeout_s: float = 600.0) -> None:
     """Run every warm-up text together (a batch, like real traffic) and wait for all of them."""
     started = time.monotonic()
-    finished: list[asyncio.Event] = []
-    for number, segments in enumerate(WARMUP_TEXTS):
-        event = asyncio.Event()
-        finished.append(event)
-
-        def sink(events: list[StreamEvent], event: asyncio.Event = event) -> None:
-            if any(isinstance(e, StreamEnded) for e in events):
-                event.set()
-
-        scheduler.submit(list(segments), SynthesisParams(seed=number), sink)
+    generations = [
+        engine.generate(GenerateRequest(segments=segments, params=SynthesisParams(seed=number)))
+        for number, segments in enumerate(WARMUP_TEXTS)
+    ]
     async with asyncio.timeout(timeout_s):
-        await asyncio.gather(*(event.wait() for event in finished))
+        await asyncio.gather(*(_drain(generation) for generation in generations))
     log.info("warm-up done in %.1f s", time.monotonic() - started)
+
+
+async def _drain(generation: Generation) -> None:
+    async for _ in generation:
+        pass

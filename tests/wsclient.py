@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,20 +34,30 @@ class StreamLog:
         return b"".join(f.payload for f in self.frames)
 
 
+#: Every receive in the tests has a deadline: a message that never comes fails the test.
+RECV_TIMEOUT_S = 30.0
+
+
+async def recv(ws: ClientConnection, timeout: float = RECV_TIMEOUT_S) -> str | bytes:
+    """The next message, within ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        return await ws.recv()
+
+
 def url(port: int) -> str:
     return f"ws://127.0.0.1:{port}/v1/stream"
 
 
 async def open_client(port: int, **kwargs: Any) -> tuple[ClientConnection, dict[str, Any]]:
     ws = await connect(url(port), compression=None, max_size=None, **kwargs)
-    hello = json.loads(await ws.recv())
+    hello = json.loads(await recv(ws))
     assert hello["type"] == "hello"
     return ws, hello
 
 
 async def recv_json(ws: ClientConnection) -> dict[str, Any]:
     """The next text message (fails on a binary one)."""
-    raw = await ws.recv()
+    raw = await recv(ws)
     assert isinstance(raw, str), "expected a JSON text message"
     message: dict[str, Any] = json.loads(raw)
     return message
@@ -63,7 +74,7 @@ async def collect(
     by_slot: dict[int, str] = dict(slots or {})
     pending = set(ids)
     while pending:
-        raw = await ws.recv()
+        raw = await recv(ws)
         if isinstance(raw, bytes):
             header, payload = unpack_frame(raw)
             log = logs[by_slot[header.slot]]

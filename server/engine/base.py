@@ -3,7 +3,7 @@
 An engine owns a model. It holds the state of every sequence that was added
 to it (KV-cache rows, random generator, decoder context) and advances the
 sequences it is told to by one token block per :meth:`Engine.step`. The
-scheduler (``server.scheduler``) is the only caller and calls it from one
+engine core (``server.core.engine_core``) is the only caller and calls it from one
 thread only, so engines need no locking.
 
 A *sequence* is one text segment of one stream. Streams with several

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.config import Settings
+from server.errors import StartupError
 
 if TYPE_CHECKING:
     from server.engine.base import Engine
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ModelUnavailable(Exception):
+class ModelUnavailable(StartupError):
     """The model cannot be loaded; the one-line message says what to do."""
 
 
@@ -78,9 +79,21 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 cuda_graphs=settings.cuda_graphs == "on",
             )
         except ModelUnavailableError as exc:
-            raise ModelUnavailable(str(exc)) from None
+            raise ModelUnavailable(_naming_the_flag(str(exc), settings)) from None
+        except Exception as exc:  # a broken file, a device that is not there: one line, not a traceback
+            cause = f"{type(exc).__name__}: {exc}"
+            raise ModelUnavailable(_naming_the_flag(f"the model failed to load: {cause}", settings)) from None
         if engine.random_weights:
             log.warning("SERVING RANDOM WEIGHTS from %s: the audio is noise, not speech", model_dir)
         return engine
 
     return build
+
+
+def _naming_the_flag(message: str, settings: Settings) -> str:
+    """``message`` on one line, naming the flag to change when it does not already."""
+    line = " ".join(message.split())
+    if "--" in line:
+        return line
+    flag = "--dev-model" if settings.dev_model else "--model-dir" if settings.model_dir else "--cache-dir"
+    return f"{line} (check {flag}, --device, --dtype)"

@@ -21,8 +21,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.app import _api_keys
 from server.config import Settings, load_settings
+from server.errors import StartupError
+from server.frontend import read_api_keys
 from server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -344,8 +345,8 @@ def test_api_keys_come_from_a_mounted_secret() -> None:
         # An optional Secret that is absent leaves an empty folder: the server must then
         # start (without keys) instead of crash-looping on the missing file.
         try:
-            _api_keys(Settings(api_keys_file=str(ROOT / "no-such-dir" / keys_file.name)))
-        except OSError as exc:
+            read_api_keys(Settings(api_keys_file=str(ROOT / "no-such-dir" / keys_file.name)))
+        except StartupError as exc:
             pytest.fail(f"optional Secret, but the server cannot start without the file: {exc}")
 
 

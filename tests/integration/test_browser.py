@@ -153,11 +153,11 @@ def capture_opus(port: int, text: str, seed: int) -> tuple[list[bytes], int]:
     """The raw Opus packets of a stream (48 kHz) and ``done.samples``, over a plain WebSocket."""
     packets: list[bytes] = []
     with connect(f"ws://127.0.0.1:{port}/v1/stream", compression=None, max_size=None) as ws:
-        assert json.loads(ws.recv())["type"] == "hello"
+        assert json.loads(ws.recv(timeout=30))["type"] == "hello"
         start = {"type": "start", "id": "ref", "text": text, "seed": seed, "format": "opus"}
         ws.send(json.dumps({**start, "sample_rate": OPUS_RATE}))
         while True:
-            raw = ws.recv()
+            raw = ws.recv(timeout=30)
             if isinstance(raw, bytes):
                 packets.append(raw[12:])
                 continue

@@ -41,7 +41,7 @@ def as_tuples(chunks: list[cs.AudioChunk]) -> list[tuple[int, int, bool, bytes]]
 
 
 def fake_engine(app: App) -> FakeEngine:
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     return engine
 
@@ -76,7 +76,7 @@ def test_cut_connections_resume_to_the_unbroken_stream(fmt: str, cuts: list[int]
                             if next_cut is not None and taken >= next_cut and stream.done is None:
                                 server_side = app.service.registry.get(stream.token or "")
                                 assert server_side is not None
-                                cut_before_the_end |= not server_side.session.ended
+                                cut_before_the_end |= not server_side.outbox.ended
                                 proxy.cut()
                                 taken, next_cut = 0, next(plan, None)
             assert as_tuples(got) == expected
@@ -243,7 +243,7 @@ async def test_resume_expired_and_shutting_down(make_app: Any) -> None:
                         server_side = app.service.registry.get(stream.token or "")
                         assert server_side is not None
                         async with asyncio.timeout(10):
-                            while not server_side.session.ended:
+                            while not server_side.outbox.ended:
                                 await asyncio.sleep(0.01)
                         proxy.blocked = False
         async with cs.Client(url(app.port)) as other:

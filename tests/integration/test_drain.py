@@ -8,7 +8,7 @@ import os
 import signal
 
 from tests.serverproc import free_port, http_status, spawn_server, wait_ready
-from tests.wsclient import open_client, recv_json, start
+from tests.wsclient import open_client, recv, recv_json, start
 
 
 async def test_sigterm_drains_running_stream_then_exits_0() -> None:
@@ -23,7 +23,7 @@ async def test_sigterm_drains_running_stream_then_exits_0() -> None:
         ws, _ = await open_client(port)
         await start(ws, id="run", text="A stream that is still running when the signal comes. " * 2, seed=4)
         assert (await recv_json(ws))["type"] == "started"
-        while not isinstance(await ws.recv(), bytes):  # the segment message, then audio
+        while not isinstance(await recv(ws), bytes):  # the segment message, then audio
             pass
 
         proc.send_signal(signal.SIGTERM)
@@ -36,7 +36,7 @@ async def test_sigterm_drains_running_stream_then_exits_0() -> None:
         frames, done, refused = 1, None, None
         async with asyncio.timeout(60):
             while done is None:
-                raw = await ws.recv()
+                raw = await recv(ws)
                 if isinstance(raw, bytes):
                     frames += 1
                     continue
@@ -61,7 +61,7 @@ async def _closed_code(ws: object) -> int | None:
     from websockets.exceptions import ConnectionClosed
 
     try:
-        await ws.recv()  # type: ignore[attr-defined]
+        await recv(ws)  # type: ignore[attr-defined]
     except ConnectionClosed as exc:
         return exc.rcvd.code if exc.rcvd else None
     return None

@@ -13,7 +13,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from server.app import App
-from tests.wsclient import collect, open_client, recv_json, start
+from tests.wsclient import collect, open_client, recv, recv_json, start
 
 
 async def assert_still_serves(ws: ClientConnection, sid: str = "ok") -> None:
@@ -93,7 +93,7 @@ async def test_message_over_size_limit_closes_with_1009(make_app: Any) -> None:
     ws, _ = await open_client(app.port)
     await ws.send(json.dumps({"type": "start", "id": "big", "text": "x" * 2000}))
     with pytest.raises(ConnectionClosed) as closed:
-        await ws.recv()
+        await recv(ws)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
     # The server is unharmed: a new connection works.
     ws2, _ = await open_client(app.port)

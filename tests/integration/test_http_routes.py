@@ -59,7 +59,7 @@ async def test_metrics_and_unknown_paths(app: App) -> None:
 
 async def test_health_fails_when_the_inference_thread_is_gone(make_app: Any) -> None:
     app = await make_app()
-    await app.scheduler.stop()
+    await app.engine_client.stop()
     assert (await asyncio.to_thread(get, app.port, "/health"))[0] == 503
     assert (await asyncio.to_thread(get, app.port, "/ready"))[0] == 503
 
@@ -67,9 +67,9 @@ async def test_health_fails_when_the_inference_thread_is_gone(make_app: Any) -> 
 async def test_breaker_fails_ready_until_a_probe_succeeds(make_app: Any) -> None:
     from tests.wsclient import collect, open_client, start
 
-    app = await make_app()
+    app = await make_app("--breaker-probe-s", "0.2")
     await app.warmed_up.wait()
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     engine.failures.fail_steps = 5  # the default breaker threshold
     ws, _ = await open_client(app.port)

@@ -21,6 +21,7 @@ from server.app import App
 from server.audio.pcm import to_pcm16
 from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
+from server.errors import StartupError
 from server.http_api import OPENAI_VOICES, wav_header
 from server.text import split_segments
 from tests.integration.conftest import fake_settings
@@ -31,14 +32,14 @@ LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a 
 
 
 def fake_engine(app: App) -> FakeEngine:
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     return engine
 
 
 def base_url(app: App) -> str:
-    assert app.http.port is not None
-    return f"http://127.0.0.1:{app.http.port}/v1"
+    assert app.http_port is not None
+    return f"http://127.0.0.1:{app.http_port}/v1"
 
 
 def client(app: App) -> AsyncOpenAI:
@@ -260,7 +261,7 @@ async def test_models_and_voices(app: App) -> None:
 
 async def test_http_api_can_be_turned_off(make_app: Any) -> None:
     app = await make_app("--http-port", "0")
-    assert app.http.port is None
+    assert app.http_port is None
 
 
 async def test_engine_error_before_audio_is_a_json_500(app: App) -> None:
@@ -333,12 +334,12 @@ async def test_a_busy_default_port_leaves_http_off_not_the_server(make_app: Any)
     port, blocker = busy_port_after_a_free_one()
     with blocker:
         app = await make_app("--port", str(port))  # the default http port is --port + 1: busy
-        assert app.http.port is None
+        assert app.http_port is None
         ws, _ = await open_client(app.port)
         await ws.close()
         explicit = App(fake_settings("--http-port", str(port + 1)))
         try:
-            with pytest.raises(OSError):  # a port asked for explicitly must be had
+            with pytest.raises(StartupError, match="--http-port"):  # a port asked for explicitly must be had
                 await explicit.start()
         finally:
             await explicit.stop()

@@ -11,7 +11,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection
 
 from server.app import App
-from tests.wsclient import StreamLog, collect, open_client, recv_json, start
+from tests.wsclient import StreamLog, collect, open_client, recv, recv_json, start
 
 ANSWER = "Sentence one is here. 第二句话在这里。The third sentence ends it all."
 
@@ -46,7 +46,7 @@ async def test_llm_feed_speaks_sentence_one_early_and_matches_one_shot_audio(app
     async def receive() -> StreamLog:
         log = StreamLog()
         while log.done is None:
-            raw = await ws.recv()
+            raw = await recv(ws)
             if isinstance(raw, bytes):
                 if not log.frames:
                     order.append("first_audio")
@@ -138,12 +138,12 @@ async def test_cancel_midway(make_app: Any) -> None:
     await start(ws, id="c", incremental=True, seed=1)
     await send(ws, type="append", id="c", text="A first sentence that takes a while to speak. And more")
     assert (await recv_json(ws))["type"] == "started"
-    while not isinstance(await ws.recv(), bytes):
+    while not isinstance(await recv(ws), bytes):
         pass
     await send(ws, type="cancel", id="c")
     done = None
     while done is None:
-        raw = await ws.recv()
+        raw = await recv(ws)
         if isinstance(raw, str) and json.loads(raw)["type"] == "done":
             done = json.loads(raw)
     assert done["reason"] == "cancelled"

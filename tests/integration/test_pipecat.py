@@ -66,7 +66,7 @@ async def test_text_frames_in_audio_frames_out_equal_the_websocket_stream(app: A
 
 async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> None:
     app = await make_app("--fake-step-ms", "100", "--cache-bytes", "0")
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     tts = ChatTTSStreamTTSService(url=url(app), seed=3)
     long_sentence = "This one long sentence keeps the engine busy for many blocks, " * 12 + "and then ends."
@@ -80,9 +80,11 @@ async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> N
 
     watcher = asyncio.create_task(watch())
     try:
-        frames = [*llm_answer(long_sentence), SleepFrame(0.8), InterruptionFrame(), SleepFrame(2.0)]
+        # The long sentence takes ~10 s of 100-ms steps: the interruption at 1.5 s comes mid-stream
+        # even on a loaded machine, and 3 s after it leave room to see the row freed before the end.
+        frames = [*llm_answer(long_sentence), SleepFrame(1.5), InterruptionFrame(), SleepFrame(3.0)]
         down, _ = await run_test(tts, frames_to_send=frames)
-        ended_at = time.monotonic()  # the EndFrame (which closes the client) came 2 s after the interruption
+        ended_at = time.monotonic()  # the EndFrame (which closes the client) came 3 s after the interruption
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

@@ -10,13 +10,13 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from server.engine.fake import FakeEngine
-from tests.wsclient import collect, open_client, start, url
+from tests.wsclient import collect, open_client, recv, start, url
 
 
 async def closed_with(port: int, path_suffix: str = "", **kwargs: Any) -> int | None:
     ws = await connect(url(port) + path_suffix, compression=None, **kwargs)
     with pytest.raises(ConnectionClosed) as closed:
-        await ws.recv()
+        await recv(ws)
     return closed.value.rcvd.code if closed.value.rcvd else None
 
 
@@ -59,7 +59,7 @@ async def test_api_keys_close_with_1008_and_are_never_logged(
     ws, _ = await open_client(app.port, additional_headers={"Authorization": "Bearer secret-key-2"})
     await ws.close()
     browser = await connect(url(app.port) + "?api_key=secret-key-1", compression=None)
-    assert json.loads(await browser.recv())["type"] == "hello"
+    assert json.loads(await recv(browser))["type"] == "hello"
     await browser.close()
     assert "secret-key" not in caplog.text
 
@@ -74,7 +74,7 @@ async def test_bad_origin_closes_with_1008(make_app: Any) -> None:
 @pytest.mark.parametrize("fmt", ["pcm16", "opus"])
 async def test_cache_hit_returns_identical_bytes_without_the_model(make_app: Any, fmt: str) -> None:
     app = await make_app("--fake-step-ms", "20")
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine)
     await app.warmed_up.wait()  # warm-up steps after the first stream would count as model work
     request = {"text": "Cached sentence one. 第二句。", "seed": 5, "voice": "alto", "format": fmt}

@@ -16,7 +16,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from server.app import App
 from server.engine.fake import FakeEngine
 from tests.integration.conftest import fake_settings
-from tests.wsclient import collect, open_client, recv_json, start, url
+from tests.wsclient import collect, open_client, recv, recv_json, start, url
 
 TEXT = "First sentence of the story. 第二句话在这里。And the third one ends it."
 RESUME_FLAGS = ("--fake-step-ms", "3", "--resume-ttl-s", "30")
@@ -42,7 +42,7 @@ async def read_until_cut(ws: ClientConnection, got: dict[int, bytes], cut_after:
     token = None
     new = 0
     while True:
-        raw = await ws.recv()
+        raw = await recv(ws)
         if isinstance(raw, bytes):
             seq = int.from_bytes(raw[4:8], "little")
             got.setdefault(seq, raw[1:2] + raw[8:12] + raw[12:])
@@ -68,7 +68,7 @@ async def generation_ended(app: App, token: str | None) -> None:
     stream = app.service.registry.get(token)
     assert stream is not None
     async with asyncio.timeout(10):
-        while not stream.session.ended:
+        while not stream.outbox.ended:
             await asyncio.sleep(0.01)
 
 
@@ -90,7 +90,7 @@ async def broken_run(port: int, fmt: str, seed: int, cuts: list[int]) -> dict[in
             break
         # Reconnect (with the affinity query parameter a load balancer would hash on).
         ws = await connect(url(port) + f"?resume={token}", compression=None, max_size=None)
-        assert json.loads(await ws.recv())["type"] == "hello"
+        assert json.loads(await recv(ws))["type"] == "hello"
         await ws.send(json.dumps({"type": "resume", "stream": token, "after_seq": contiguous_last(got)}))
         await read_until_cut(ws, got, cut)
     return got
@@ -162,7 +162,7 @@ async def test_ttl_expiry_frees_engine_work_and_forgets_the_token(make_app: Any)
     ws, _ = await open_client(app.port)
     await start(ws, id="s", text=TEXT * 4, seed=2)
     token = await read_until_cut(ws, {}, 1)
-    engine = app.scheduler.engine
+    engine = app.engine_client.engine
     assert isinstance(engine, FakeEngine) and engine.live_sequences > 0
     async with asyncio.timeout(10):
         while engine.live_sequences or app.active_streams:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,8 @@ def test_dev_model_is_marked_and_hash_checked(tiny_model_dir: Path) -> None:
 def test_tiny_model_loads_fast(tiny_model_dir: Path) -> None:
     import torch
 
-    started = time.perf_counter()
+    # (How fast is the bench's to show: a wall-clock bound here fails on a loaded machine.)
     loaded = load_chat(model_dir=tiny_model_dir, device=torch.device("cpu"))
-    assert time.perf_counter() - started < 1.0
     assert loaded.random_weights
 
 
@@ -58,10 +56,9 @@ def _assert_actionable(exc: ModelUnavailableError) -> None:
 def test_offline_env_fails_fast(tmp_path: Path) -> None:
     from server.engine.chattts import ChatTTSEngine
 
-    started = time.perf_counter()
+    # Fast because nothing is tried: the autouse fixture fails any connect or DNS lookup.
     with pytest.raises(ModelUnavailableError) as info:
         ChatTTSEngine.load(model_dir=None, cache_dir=tmp_path / "cache", device="cpu")
-    assert time.perf_counter() - started < 2.0
     _assert_actionable(info.value)
     assert "HF_HUB_OFFLINE" in str(info.value)
 
@@ -70,13 +67,15 @@ def test_unreachable_hub_fails_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """No HF_HUB_OFFLINE, but every connect fails as on a machine without a network."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
+    attempts: list[object] = []
+
     def unreachable(*args: Any, **kwargs: Any) -> Any:
+        attempts.append(args)
         raise socket.gaierror(-3, "Temporary failure in name resolution")
 
     monkeypatch.setattr(socket, "create_connection", unreachable)
-    started = time.perf_counter()
     with pytest.raises(ModelUnavailableError) as info:
         fetch_official(cache_dir=tmp_path / "cache", timeout_s=1.0)
-    assert time.perf_counter() - started < 2.0
+    assert len(attempts) == 1  # fails fast: one try, no retries (counted, not timed)
     _assert_actionable(info.value)
     assert "cannot reach" in str(info.value)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from server import protocol
@@ -65,7 +67,7 @@ def test_invalid_messages_name_the_problem(raw: str, fragment: str, sid: str | N
         parse_client_message(raw)
     assert caught.value.code == "bad_request"
     assert fragment in caught.value.message
-    assert caught.value.stream_id == sid
+    assert caught.value.name == sid
 
 
 def test_binary_is_rejected() -> None:
@@ -74,8 +76,8 @@ def test_binary_is_rejected() -> None:
 
 
 def test_error_message_shape() -> None:
-    err = ProtocolError("overloaded", "busy", stream_id="s", retry_after_ms=300)
-    assert protocol.error(err) == {
+    err = ProtocolError("overloaded", "busy", name="s", retry_after_ms=300)
+    assert json.loads(protocol.error(err)) == {
         "type": "error",
         "code": "overloaded",
         "message": "busy",
@@ -83,3 +85,24 @@ def test_error_message_shape() -> None:
         "retry_after_ms": 300,
     }
     assert protocol.encode({"a": "é"}) == '{"a":"é"}'
+
+
+def test_every_domain_error_has_its_wire_code() -> None:
+    from server import errors
+
+    kinds = [k for k in vars(errors).values() if isinstance(k, type) and issubclass(k, errors.ServiceError)]
+    assert {protocol.code_of(k("x")) for k in kinds if k is not errors.ServiceError} == {
+        "bad_request",
+        "text_too_long",
+        "unsupported",
+        "rate_limited",
+        "overloaded",
+        "shutting_down",
+        "engine_error",
+        "internal",
+        "unknown_stream",
+        "resume_expired",
+    }
+    assert protocol.code_of(errors.ServiceError("x")) == "internal"
+    wire = protocol.wire_error(errors.Overloaded("busy", retry_after_ms=5), name="s")
+    assert (wire.code, wire.name, wire.retry_after_ms) == ("overloaded", "s", 5)

@@ -1,53 +1,74 @@
-"""The real inference loop over the fake engine: batching, admission, look-ahead, failures.
+"""The real inference thread over the fake engine, through the engine client.
 
-Assertions come from the engine's step and event logs, not from wall time.
+The policy's rules are tested without threads in tests/unit/test_policy.py;
+these check that the core carries them out on a live engine: batching,
+look-ahead, failures, admission, cancellation. Assertions come from the
+engine's step and event logs, not from wall time.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
 
+from server.core.client import EngineClient, GenerateRequest, Generation
+from server.core.events import Ended, SegmentStarted, StreamEvent
+from server.core.policy import PolicyConfig
 from server.engine.base import SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine
+from server.errors import EngineUnavailable, Overloaded
 from server.metrics import Metrics
-from server.protocol import ProtocolError
-from server.scheduler import Overloaded, Scheduler, SchedulerConfig
-from server.stream_order import AudioChunk, SegmentStarted, StreamEnded, StreamEvent
 
 
 @dataclass
 class Sink:
-    events: list[StreamEvent] = field(default_factory=list)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Every event of one generation, collected by a task."""
 
-    def __call__(self, events: list[StreamEvent]) -> None:
-        self.events.extend(events)
-        if any(isinstance(e, StreamEnded) for e in events):
-            self.ended.set()
+    events: list[StreamEvent] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
 
     @property
-    def end(self) -> StreamEnded:
+    def end(self) -> Ended:
         last = self.events[-1]
-        assert isinstance(last, StreamEnded)
+        assert isinstance(last, Ended)
         return last
 
+
+class Sched:
+    """The test's handle: submit streams, collect their events."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def submit(self, segments: list[str], params: SynthesisParams, sink: Sink) -> Generation:
+        generation = self.client.generate(GenerateRequest(segments=tuple(segments), params=params))
+
+        async def collect() -> None:
+            async for event in generation:
+                sink.events.append(event)
+
+        sink.task = asyncio.create_task(collect())
+        return generation
+
     @property
-    def first_audio_index(self) -> int:
-        return next(i for i, e in enumerate(self.events) if isinstance(e, AudioChunk))
+    def breaker_open(self) -> bool:
+        return self.client.breaker_open
 
 
-async def run_scheduler(engine: FakeEngine, **config: object) -> AsyncIterator[Scheduler]:
-    scheduler = Scheduler(lambda: engine, config=SchedulerConfig(**config), metrics=Metrics())  # type: ignore[arg-type]
-    await scheduler.start()
-    await asyncio.to_thread(scheduler.ready.wait)
+@asynccontextmanager
+async def run_core(engine: FakeEngine, **config: object) -> AsyncIterator[Sched]:
+    client = EngineClient(lambda: engine, config=PolicyConfig(**config), metrics=Metrics())  # type: ignore[arg-type]
+    await client.start()
+    async with asyncio.timeout(30):
+        await client.wait_ready()
     try:
-        yield scheduler
+        yield Sched(client)
     finally:
-        await scheduler.stop()
+        await client.stop()
 
 
 @pytest.fixture
@@ -57,7 +78,13 @@ def engine() -> FakeEngine:
 
 async def wait_all(sinks: list[Sink]) -> None:
     async with asyncio.timeout(60):
-        await asyncio.gather(*(s.ended.wait() for s in sinks))
+        await asyncio.gather(*(s.task for s in sinks if s.task is not None))
+
+
+async def wait_steps(engine: FakeEngine, count: int) -> None:
+    async with asyncio.timeout(10):
+        while len(engine.steps) < count:
+            await asyncio.sleep(0.001)
 
 
 def steps_with(engine: FakeEngine, seq_id: int) -> list[int]:
@@ -65,15 +92,13 @@ def steps_with(engine: FakeEngine, seq_id: int) -> list[int]:
 
 
 async def test_sixteen_streams_run_in_one_batch_and_a_newcomer_waits_one_block(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, max_batch=32, max_wait_s=0.05):
+    async with run_core(engine, max_batch=32, max_wait_s=0.05) as sched:
         sinks = [Sink() for _ in range(16)]
         long_text = "a long running text " * 8
         for i, sink in enumerate(sinks):
             sched.submit([long_text], SynthesisParams(seed=i), sink)
         # Wait until the batch is running, then add a newcomer mid-batch.
-        async with asyncio.timeout(10):
-            while len(engine.steps) < 3:
-                await asyncio.sleep(0.001)
+        await wait_steps(engine, 3)
         newcomer = Sink()
         steps_started_at_submit = engine.steps[-1].index + 2  # the running step + 1
         sched.submit(["newcomer arrives."], SynthesisParams(seed=99), newcomer)
@@ -89,7 +114,7 @@ async def test_sixteen_streams_run_in_one_batch_and_a_newcomer_waits_one_block(e
 
 
 async def test_batch_is_capped_and_waiting_sequences_join_at_block_boundaries(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, max_batch=4, max_wait_s=0.0):
+    async with run_core(engine, max_batch=4, max_wait_s=0.0) as sched:
         sinks = [Sink() for _ in range(10)]
         for i, sink in enumerate(sinks):
             sched.submit([f"stream {i} text here"], SynthesisParams(seed=i), sink)
@@ -99,7 +124,7 @@ async def test_batch_is_capped_and_waiting_sequences_join_at_block_boundaries(en
 
 
 async def test_next_segment_generates_before_the_current_one_finishes(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, lookahead=1):
+    async with run_core(engine, lookahead=1) as sched:
         sink = Sink()
         # Each segment longer than the one before, so k+1 is still running when k ends.
         segments = [
@@ -121,7 +146,7 @@ async def test_next_segment_generates_before_the_current_one_finishes(engine: Fa
 
 
 async def test_a_segment_that_finishes_early_does_not_stall_the_next(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, lookahead=1):
+    async with run_core(engine, lookahead=1) as sched:
         sink = Sink()
         # Segment 1 is short: it starts with segment 0 and ends first; segment 2 must then
         # start before segment 0 ends (held audio does not count against look-ahead).
@@ -136,7 +161,7 @@ async def test_a_segment_that_finishes_early_does_not_stall_the_next(engine: Fak
 
 
 async def test_one_stream_cannot_take_more_than_its_share(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, max_batch=2, lookahead=3, max_wait_s=0.05):
+    async with run_core(engine, max_batch=2, lookahead=3, max_wait_s=0.05) as sched:
         greedy, other = Sink(), Sink()
         sched.submit(
             [f"segment {k} of the greedy stream." for k in range(6)], SynthesisParams(seed=1), greedy
@@ -149,12 +174,11 @@ async def test_one_stream_cannot_take_more_than_its_share(engine: FakeEngine) ->
 
 
 async def test_engine_exception_fails_only_that_step(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine, max_batch=8, max_wait_s=0.0):
+    async with run_core(engine, max_batch=8, max_wait_s=0.0) as sched:
         poisoned = Sink()
         sched.submit([f"this one breaks {FAIL_MARKER}"], SynthesisParams(seed=1), poisoned)
         await wait_all([poisoned])
-        assert poisoned.end.reason == "error" and poisoned.end.error is not None
-        assert poisoned.end.error.code == "engine_error"
+        assert poisoned.end.reason == "error" and "failed" in poisoned.end.message
         later = [Sink() for _ in range(3)]
         for i, sink in enumerate(later):
             sched.submit(["the loop keeps serving."], SynthesisParams(seed=i), sink)
@@ -165,7 +189,7 @@ async def test_engine_exception_fails_only_that_step(engine: FakeEngine) -> None
 
 async def test_out_of_memory_halves_the_batch_and_requests_complete(engine: FakeEngine) -> None:
     engine.failures.oom_above_batch = 4
-    async for sched in run_scheduler(engine, max_batch=16, max_wait_s=0.05):
+    async with run_core(engine, max_batch=16, max_wait_s=0.05) as sched:
         sinks = [Sink() for _ in range(10)]
         for i, sink in enumerate(sinks):
             sched.submit(["out of memory at large batches."], SynthesisParams(seed=i), sink)
@@ -178,9 +202,7 @@ async def test_out_of_memory_halves_the_batch_and_requests_complete(engine: Fake
 
 
 async def test_breaker_opens_after_repeated_failures_and_a_probe_closes_it(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(
-        engine, breaker_threshold=3, breaker_probe_interval_s=0.2, max_wait_s=0.0
-    ):
+    async with run_core(engine, breaker_threshold=3, breaker_probe_interval_s=0.05, max_wait_s=0.0) as sched:
         engine.failures.fail_steps = 4  # three steps fail, then the first probe fails too
         sinks = [Sink() for _ in range(3)]
         for i, sink in enumerate(sinks):
@@ -199,14 +221,14 @@ async def test_breaker_opens_after_repeated_failures_and_a_probe_closes_it(engin
 
 async def test_full_queue_answers_overloaded_with_retry_after() -> None:
     slow = FakeEngine(step_base_s=0.05, step_per_row_s=0.0)
-    async for sched in run_scheduler(slow, max_batch=1, max_queue=2, max_wait_s=0.0):
+    async with run_core(slow, max_batch=1, max_queue=2, max_wait_s=0.0) as sched:
         accepted: list[Sink] = []
         with pytest.raises(Overloaded) as refused:
             for i in range(10):
                 sink = Sink()
                 sched.submit(["queued text."], SynthesisParams(seed=i), sink)
                 accepted.append(sink)
-        assert refused.value.code == "overloaded" and refused.value.retry_after_ms is not None
+        assert refused.value.retry_after_ms is not None
         assert refused.value.retry_after_ms >= 250
         assert 2 <= len(accepted) <= 3
         await wait_all(accepted)
@@ -218,18 +240,18 @@ async def test_full_queue_answers_overloaded_with_retry_after() -> None:
 
 async def test_cancel_frees_the_row_at_the_next_block_boundary() -> None:
     engine = FakeEngine(step_base_s=0.01, step_per_row_s=0.0)
-    async for sched in run_scheduler(engine, max_wait_s=0.0):
+    async with run_core(engine, max_wait_s=0.0) as sched:
         keep, gone = Sink(), Sink()
         sched.submit(["a long text that keeps running " * 6], SynthesisParams(seed=1), keep)
         handle = sched.submit(["another long text to cancel " * 6], SynthesisParams(seed=2), gone)
-        async with asyncio.timeout(10):
-            while len(engine.steps) < 3:
-                await asyncio.sleep(0.001)
+        await wait_steps(engine, 3)
         running_step = engine.steps[-1].index + 1  # may be in flight now
-        handle.cancel()
+        handle.abort()
         await wait_all([gone])
-        assert gone.end.reason == "cancelled"
-        assert ("drop", 1) in engine.events
+        assert gone.end.reason == "cancelled"  # at once: the generation does not wait for the core
+        async with asyncio.timeout(10):
+            while ("drop", 1) not in engine.events:  # freed by the core's next batch
+                await asyncio.sleep(0.001)
         later_steps = [i for i in steps_with(engine, 1) if i > running_step]
         assert later_steps == []
         await wait_all([keep])
@@ -239,8 +261,8 @@ async def test_cancel_frees_the_row_at_the_next_block_boundary() -> None:
 async def test_failed_engine_warm_up_opens_the_breaker_instead_of_killing_the_loop() -> None:
     engine = FakeEngine()
     engine.failures.fail_steps = 2  # the start-up warm-up and the first probe fail
-    async for sched in run_scheduler(engine, breaker_probe_interval_s=0.1):
-        assert sched.breaker_open and sched.alive
+    async with run_core(engine, breaker_probe_interval_s=0.05) as sched:
+        assert sched.breaker_open and sched.client.alive
         with pytest.raises(Overloaded):
             sched.submit(["refused while broken."], SynthesisParams(seed=1), Sink())
         async with asyncio.timeout(20):
@@ -253,8 +275,7 @@ async def test_failed_engine_warm_up_opens_the_breaker_instead_of_killing_the_lo
 
 
 async def test_a_stopped_loop_refuses_new_streams(engine: FakeEngine) -> None:
-    async for sched in run_scheduler(engine):
-        await sched.stop()
-        with pytest.raises(ProtocolError) as refused:
+    async with run_core(engine) as sched:
+        await sched.client.stop()
+        with pytest.raises(EngineUnavailable):
             sched.submit(["too late."], SynthesisParams(seed=1), Sink())
-        assert refused.value.code == "internal"

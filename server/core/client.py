@@ -1,0 +1,298 @@
+"""The engine client: what the event loop (the service, every front end) sees of the engine.
+
+:class:`EngineClient` starts the :class:`~server.core.engine_core.EngineCore` on
+its own thread and talks to it only in typed commands and events
+(``server.core.events``). A stream is one call::
+
+    generation = client.generate(GenerateRequest(segments=("Hello.",), params=SynthesisParams()))
+    async for event in generation:        # SegmentStarted, Audio, ..., then Ended
+        ...
+    client.abort(generation.stream_id)    # or generation.abort(): stop it at the next block
+
+``generate`` applies the policy's admission rule at once (``Overloaded`` with
+``retry_after_ms``), so a refusal never waits for the inference thread.
+Incremental streams (``incremental=True``) get more segments with
+``append`` and finish after ``end_input``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.core.engine_core import EngineCore
+from server.core.events import (
+    Add,
+    Admission,
+    Append,
+    Audio,
+    BreakerChanged,
+    Cancel,
+    Capacity,
+    CoreEvent,
+    Ended,
+    EndInput,
+    Loaded,
+    LoadFailed,
+    Ready,
+    SegmentStarted,
+    Stopped,
+    StreamEvent,
+)
+from server.core.policy import STOPPED_MESSAGE, PolicyConfig, refusal
+from server.engine.base import Engine, EngineInfo, SynthesisParams
+from server.errors import EngineUnavailable, Overloaded, StartupError
+from server.metrics import Metrics
+
+#: ``healthy`` turns False when the inference thread has not been heard of for this long.
+HEARTBEAT_STALE_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One stream to synthesize.
+
+    Attributes:
+        segments: the text, already split into segments (sentences).
+        params: voice and sampling parameters.
+        incremental: more segments will come through ``append`` until ``end_input``.
+    """
+
+    segments: tuple[str, ...]
+    params: SynthesisParams
+    incremental: bool = False
+
+
+class Generation:
+    """One stream's events, in order: iterate it with ``async for``; it ends after ``Ended``."""
+
+    __slots__ = ("_client", "_ended", "_events", "_waiter", "stream_id")
+
+    def __init__(self, client: EngineClient, stream_id: int) -> None:
+        self._client = client
+        self.stream_id = stream_id
+        self._events: deque[StreamEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+
+    def append(self, text: str) -> None:
+        """One more segment (incremental streams)."""
+        self._client.append(self.stream_id, text)
+
+    def end_input(self) -> None:
+        """No more segments: the stream ends after those it has."""
+        self._client.end_input(self.stream_id)
+
+    def abort(self) -> None:
+        """Stop generating; ``Ended`` with reason ``cancelled`` follows unless it ended already."""
+        self._client.abort(self.stream_id)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        events = self._events
+        while not events:
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return events.popleft()
+
+    def _push(self, event: StreamEvent) -> None:
+        self._events.append(event)
+        if isinstance(event, Ended):
+            self._ended = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class EngineClient:
+    """Starts the engine core, submits streams to it and routes its events to their generations."""
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        *,
+        config: PolicyConfig,
+        metrics: Metrics,
+        warmup: bool = True,
+    ) -> None:
+        self.config = config
+        self._metrics = metrics
+        self._core = EngineCore(engine_factory, config, emit=self._emit, metrics=metrics, warmup=warmup)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loaded: asyncio.Future[EngineInfo] | None = None
+        self._ready = asyncio.Event()
+        self._generations: dict[int, Generation] = {}
+        self._ids = itertools.count()
+        self._adds_sent = 0
+        self._capacity = Capacity(Admission(0, config.max_batch, 0.05, False), 0)
+        self._breaker_open = False
+        self._stopped = False
+        self._heard = time.monotonic()
+        self.info = EngineInfo(name="(not loaded)")
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        """Start the inference thread; returns once the engine is loaded (its warm-up goes on).
+
+        Raises:
+            StartupError: the engine could not be loaded (the thread has ended).
+        """
+        self._loop = asyncio.get_running_loop()
+        self._loaded = self._loop.create_future()
+        self._thread = threading.Thread(target=self._core.run, name="inference", daemon=True)
+        self._thread.start()
+        try:
+            self.info = await self._loaded
+        except StartupError:
+            await asyncio.to_thread(self._thread.join)
+            raise
+        return self.info
+
+    async def stop(self) -> None:
+        """Stop the loop after its current step; every stream still running ends with an error."""
+        self._core.shutdown()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def wait_ready(self) -> None:
+        """Until the engine's warm-up is over."""
+        await self._ready.wait()
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up and looping."""
+        return self._ready.is_set() and not self._stopped
+
+    @property
+    def alive(self) -> bool:
+        """The inference thread runs."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, and heard of within ``HEARTBEAT_STALE_S`` (a stuck step stops its heartbeat)."""
+        return self.alive and time.monotonic() - self._heard < HEARTBEAT_STALE_S
+
+    @property
+    def breaker_open(self) -> bool:
+        """The engine keeps failing: new streams are refused until a probe succeeds."""
+        return self._breaker_open
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the core runs (tests read the fake engine's logs through this)."""
+        assert self._core.engine is not None, "engine not loaded"
+        return self._core.engine
+
+    def validate_voice(self, voice: str) -> bool:
+        """Whether the engine speaks ``voice`` (engines answer from immutable data: any thread)."""
+        return self.engine.validate_voice(voice)
+
+    # --- streams --------------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> Generation:
+        """Submit a stream; its events arrive through the returned generation.
+
+        Raises:
+            Overloaded: the queue is full or the breaker is open (``retry_after_ms`` set).
+            EngineUnavailable: the inference loop is not running.
+        """
+        if self._stopped or self._thread is None:
+            raise EngineUnavailable("the inference loop is not running")
+        capacity = self._capacity
+        retry_ms = refusal(capacity.admission, self.config, self._adds_sent - capacity.adds_taken)
+        if retry_ms is not None:
+            raise Overloaded("the server is at capacity; retry later", retry_after_ms=retry_ms)
+        generation = Generation(self, next(self._ids))
+        self._generations[generation.stream_id] = generation
+        self._adds_sent += 1
+        self._core.send(
+            Add(generation.stream_id, request.segments, request.params, input_closed=not request.incremental)
+        )
+        self._count_queue()
+        return generation
+
+    def append(self, stream_id: int, text: str) -> None:
+        """One more segment for an incremental stream."""
+        self._core.send(Append(stream_id, text))
+
+    def end_input(self, stream_id: int) -> None:
+        """No more segments for an incremental stream."""
+        self._core.send(EndInput(stream_id))
+
+    def abort(self, stream_id: int) -> None:
+        """Stop generating a stream; its engine work is freed at the next block boundary.
+
+        The generation ends at once with ``Ended("cancelled")``, after the events it holds.
+        """
+        generation = self._generations.pop(stream_id, None)
+        if generation is not None:
+            self._core.send(Cancel(stream_id))
+            generation._push(Ended(stream_id, "cancelled"))
+
+    # --- events from the core ----------------------------------------------------------------
+
+    def _emit(self, events: list[CoreEvent]) -> None:
+        """The core's sink (inference thread): one hand-off to the event loop per batch."""
+        loop = self._loop
+        if loop is not None:
+            # A closed event loop raises RuntimeError: nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list[CoreEvent]) -> None:
+        self._heard = time.monotonic()
+        generations = self._generations
+        for event in events:
+            if isinstance(event, SegmentStarted | Audio | Ended):
+                generation = generations.get(event.stream_id)
+                if generation is not None:
+                    generation._push(event)
+                    if isinstance(event, Ended):
+                        del generations[event.stream_id]
+            elif isinstance(event, Capacity):
+                self._capacity = event
+                self._count_queue()
+            elif isinstance(event, BreakerChanged):
+                self._breaker_open = event.open
+            elif isinstance(event, Ready):
+                self._ready.set()
+            elif isinstance(event, Loaded | LoadFailed):
+                self._on_load(event)
+            elif isinstance(event, Stopped):
+                self._on_stopped()
+
+    def _on_load(self, event: Loaded | LoadFailed) -> None:
+        if self._loaded is None or self._loaded.done():
+            return
+        if isinstance(event, Loaded):
+            self._loaded.set_result(event.info)
+        else:
+            self._loaded.set_exception(StartupError(event.message))
+
+    def _on_stopped(self) -> None:
+        self._stopped = True
+        self._ready.clear()
+        # Submitted after the core stopped taking commands: nobody else will end them.
+        for stream_id, generation in list(self._generations.items()):
+            generation._push(Ended(stream_id, "error", STOPPED_MESSAGE))
+        self._generations.clear()
+
+    def _count_queue(self) -> None:
+        capacity = self._capacity
+        pending = self._adds_sent - capacity.adds_taken
+        self._metrics.queue_depth.set(capacity.admission.waiting + pending)

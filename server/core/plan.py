@@ -1,0 +1,102 @@
+"""One stream as the scheduling policy sees it: its segments, their order, its events.
+
+Pure bookkeeping (no engine, no clock, no locks): which segments to queue
+next (look-ahead), and how step results become the stream's events in order.
+Audio of the segment being heard goes out at once; audio of look-ahead
+segments is held until the segments before it have finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.core.events import Audio, SegmentStarted, StreamEvent
+from server.engine.base import AudioArray, SynthesisParams
+
+
+@dataclass(eq=False)
+class StreamPlan:
+    """The loop-side record of one stream.
+
+    Attributes:
+        stream_id: the engine client's id of the stream.
+        params: voice and sampling parameters of every segment.
+        segments: the segment texts so far (incremental streams grow).
+        input_closed: no more segments will be appended.
+        next_to_queue: index of the next segment to queue.
+        emit_index: the segment whose audio goes out now.
+        announced: highest segment index whose ``SegmentStarted`` went out.
+        held: audio of look-ahead segments, waiting for their turn.
+        finished_segments: segments that finished, at or after ``emit_index``.
+        live_seqs: engine sequence id → segment index, for segments queued or running.
+        ended: no more events follow (complete, cancelled or failed).
+    """
+
+    stream_id: int
+    params: SynthesisParams
+    segments: list[str] = field(default_factory=list)
+    input_closed: bool = True
+    next_to_queue: int = 0
+    emit_index: int = 0
+    announced: int = -1
+    held: dict[int, list[AudioArray]] = field(default_factory=dict)
+    finished_segments: set[int] = field(default_factory=set)
+    live_seqs: dict[int, int] = field(default_factory=dict)
+    ended: bool = False
+
+    def segments_to_queue(self, lookahead: int) -> list[int]:
+        """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.
+
+        Segments that finished ahead of their turn (held audio) do not count, so a
+        short segment never stalls the pipeline; but no more are queued while more
+        than ``1 + lookahead`` finished segments are held, which bounds the audio a
+        stream holds back.
+        """
+        width = 1 + lookahead
+        held = len(self.finished_segments)
+        unfinished = self.next_to_queue - self.emit_index - held
+        queued = []
+        while (
+            not self.ended
+            and self.next_to_queue < len(self.segments)
+            and unfinished < width  # the per-stream share of the batch
+            and held <= width  # the held-segment cap
+        ):
+            queued.append(self.next_to_queue)
+            self.next_to_queue += 1
+            unfinished += 1
+        return queued
+
+    def on_audio(self, segment: int, audio: AudioArray, finished: bool) -> list[StreamEvent]:
+        """A step's output for ``segment``: the events it releases, in order."""
+        events: list[StreamEvent] = []
+        if segment == self.emit_index:
+            self._announce(events)
+            if len(audio):
+                events.append(Audio(self.stream_id, audio))
+        elif len(audio):
+            self.held.setdefault(segment, []).append(audio)
+        if finished:
+            self.finished_segments.add(segment)
+            self._advance_emit(events)
+        return events
+
+    def _announce(self, events: list[StreamEvent]) -> None:
+        if self.announced < self.emit_index:
+            self.announced = self.emit_index
+            events.append(SegmentStarted(self.stream_id, self.emit_index, self.segments[self.emit_index]))
+
+    def _advance_emit(self, events: list[StreamEvent]) -> None:
+        """Move past finished segments, releasing held audio of the next ones in order."""
+        while self.emit_index in self.finished_segments:
+            self.finished_segments.discard(self.emit_index)
+            self.emit_index += 1
+            if self.emit_index >= self.next_to_queue:
+                break
+            self._announce(events)
+            events.extend(Audio(self.stream_id, chunk) for chunk in self.held.pop(self.emit_index, []))
+
+    @property
+    def complete(self) -> bool:
+        """Input closed and every segment emitted: the stream is done."""
+        return self.input_closed and self.emit_index >= len(self.segments)

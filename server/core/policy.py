@@ -1,0 +1,389 @@
+"""The scheduling policy: which sequences the next engine step runs, and what the results mean.
+
+A pure object: no threads, no engine, no clock (``now`` is passed in), so every
+rule is tested by building a policy, calling :meth:`SchedulingPolicy.schedule`,
+feeding it results and asserting (``tests/unit/test_policy.py``). The engine
+core (``server.core.engine_core``) drives it::
+
+    batch = policy.schedule(now)                  # drop, add and step (or probe, or wait)
+    outcome = ...                                 # the core runs the batch on the engine
+    events = policy.update(batch, outcome, now)   # the streams' events, in order
+
+A stream is a list of text segments; each segment is one engine sequence. The rules:
+
+- **Look-ahead priority**: a stream's segment being heard (a new stream's first
+  one too) ranks before every look-ahead segment, so a stream's look-ahead
+  never takes a slot that another stream's listener waits for.
+- **Per-stream share**: a stream has at most ``1 + lookahead`` unfinished
+  segments queued or running.
+- **Held-segment cap**: segments that finish ahead of their turn are held (their
+  audio waits); no more look-ahead is queued while more than ``1 + lookahead``
+  are held.
+- **Admission** (:func:`refusal`): a new stream is refused while ``max_queue``
+  sequences wait, with a retry estimate, and while the breaker is open.
+- **Out of memory**: the batch limit halves and the first half runs at once (the
+  rest stay paused in the engine); it grows back by one every
+  ``oom_recovery_steps`` good steps.
+- **Breaker**: ``breaker_threshold`` consecutive failed steps open it; the
+  streams waiting for a slot fail at once, new ones are refused, and a probe
+  runs every ``breaker_probe_interval_s`` until one succeeds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
+from server.core.plan import StreamPlan
+from server.engine.base import SequenceRequest, StepResult, SynthesisParams
+
+BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
+FAILED_MESSAGE = "the model failed while generating this stream"
+REFUSED_MESSAGE = "the model could not take this text"
+STOPPED_MESSAGE = "the inference loop stopped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """Tuning of the policy; ``server.config.Settings`` documents the flags behind it."""
+
+    max_batch: int = 16
+    max_wait_s: float = 0.005
+    max_queue: int = 256
+    lookahead: int = 1
+    max_tokens_per_segment: int = 2048
+    breaker_threshold: int = 5
+    breaker_probe_interval_s: float = 2.0
+    oom_recovery_steps: int = 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """What the core does next, in this order: drop, add, then step (or probe); or wait.
+
+    Attributes:
+        drop: engine sequences to free (their streams ended).
+        add: sequences admitted now.
+        waited_s: for each of ``add``, how long it waited for its slot.
+        step: the sequences the engine advances by one block.
+        probe: run the engine's warm-up as the breaker's probe instead of a step.
+        wait_until: when nothing is to be done: the time to schedule again
+            unless a command comes first (None: wait for a command).
+    """
+
+    drop: tuple[int, ...] = ()
+    add: tuple[SequenceRequest, ...] = ()
+    waited_s: tuple[float, ...] = ()
+    step: tuple[int, ...] = ()
+    probe: bool = False
+    wait_until: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Neither a step nor a probe."""
+        return not self.step and not self.probe
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """The step ran: one result per sequence, and how long the engine took."""
+
+    results: Sequence[StepResult]
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """The step raised; every sequence in it fails."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The step ran out of accelerator memory; fewer rows may fit."""
+
+
+@dataclass(frozen=True)
+class Probed:
+    """The breaker's probe ran; ``ok`` when it succeeded."""
+
+    ok: bool
+
+
+Outcome = Stepped | StepFailed | OutOfMemory | Probed
+
+
+def retry_after_ms(queued: int, batch_limit: int, seconds_per_block: float) -> int:
+    """When a refused stream could expect a slot: batches ahead × ten blocks × block time.
+
+    A sequence needs roughly ten blocks; the 250 ms floor avoids retry storms.
+    """
+    batches_ahead = 1 + queued // max(1, batch_limit)
+    return max(250, int(batches_ahead * 10 * seconds_per_block * 1000))
+
+
+def refusal(admission: Admission, config: PolicyConfig, pending: int) -> int | None:
+    """The admission rule: None to admit a new stream, else the ``retry_after_ms`` to refuse it with.
+
+    Args:
+        admission: the policy's state (:meth:`SchedulingPolicy.admission`).
+        config: the policy's configuration.
+        pending: streams submitted that ``admission`` does not count yet.
+    """
+    if admission.breaker_open:  # /ready fails meanwhile, so a load balancer routes elsewhere
+        return int(config.breaker_probe_interval_s * 1000)
+    queued = admission.waiting + pending
+    if queued < config.max_queue:
+        return None
+    return retry_after_ms(queued, admission.batch_limit, admission.seconds_per_block)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    plan: StreamPlan
+    segment: int
+    since: float
+
+
+class SchedulingPolicy:
+    """Waiting and running sequences, priorities, batch limit and breaker; no I/O, no clock."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self._plans: dict[int, StreamPlan] = {}
+        self._waiting: list[tuple[int, int, _Waiting]] = []  # heap of (priority, order, entry)
+        self._running: dict[int, StreamPlan] = {}  # seq_id -> stream, in admission order
+        self._drops: list[int] = []
+        self._seq_ids = itertools.count()
+        self._order = itertools.count()
+        #: Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it).
+        self.batch_limit = config.max_batch
+        #: Moving average of one engine step (for the retry estimate).
+        self.seconds_per_block = 0.05
+        self._good_steps = 0  # since the last out-of-memory
+        self._failures = 0  # consecutive failed steps
+        self._breaker_since: float | None = None  # opened, or last probe failed, at
+
+    # --- state -----------------------------------------------------------------------
+
+    @property
+    def waiting_count(self) -> int:
+        """Sequences waiting for a batch slot."""
+        return len(self._waiting)
+
+    @property
+    def running_count(self) -> int:
+        """Sequences admitted to the engine (some may be paused after an out-of-memory)."""
+        return len(self._running)
+
+    @property
+    def breaker_open(self) -> bool:
+        """Too many consecutive failed steps; closed by a successful probe."""
+        return self._breaker_since is not None
+
+    def admission(self) -> Admission:
+        """The state :func:`refusal` decides on."""
+        return Admission(
+            waiting=len(self._waiting),
+            batch_limit=self.batch_limit,
+            seconds_per_block=self.seconds_per_block,
+            breaker_open=self.breaker_open,
+        )
+
+    def running(self, seq_ids: Iterable[int]) -> tuple[int, ...]:
+        """Those of ``seq_ids`` that still run (a refused add ends its stream)."""
+        return tuple(seq_id for seq_id in seq_ids if seq_id in self._running)
+
+    # --- commands --------------------------------------------------------------------
+
+    def add(
+        self,
+        stream_id: int,
+        segments: Sequence[str],
+        params: SynthesisParams,
+        *,
+        input_closed: bool,
+        now: float,
+    ) -> list[StreamEvent]:
+        """A new stream; an empty closed one completes at once."""
+        plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed)
+        if self.breaker_open:  # admitted just before the breaker opened: it would wait for nothing
+            return [Ended(stream_id, "error", BREAKER_MESSAGE)]
+        self._plans[stream_id] = plan
+        return self._queue(plan, now)
+
+    def append(self, stream_id: int, text: str, now: float) -> list[StreamEvent]:
+        """One more segment for an open stream."""
+        plan = self._plans.get(stream_id)
+        if plan is None or plan.input_closed:
+            return []
+        plan.segments.append(text)
+        return self._queue(plan, now)
+
+    def end_input(self, stream_id: int) -> list[StreamEvent]:
+        """No more segments: the stream completes once those it has are emitted."""
+        plan = self._plans.get(stream_id)
+        if plan is None:
+            return []
+        plan.input_closed = True
+        return self._end(plan, "complete") if plan.complete else []
+
+    def cancel(self, stream_id: int) -> list[StreamEvent]:
+        """Stop the stream; its running sequences are dropped by the next batch."""
+        plan = self._plans.get(stream_id)
+        return [] if plan is None else self._end(plan, "cancelled")
+
+    def stop(self) -> list[StreamEvent]:
+        """The loop is ending: every stream still here fails."""
+        events: list[StreamEvent] = []
+        for plan in list(self._plans.values()):
+            events += self._end(plan, "error", STOPPED_MESSAGE)
+        return events
+
+    # --- one step --------------------------------------------------------------------
+
+    def schedule(self, now: float) -> Batch:
+        """Admit waiting sequences up to the batch limit and choose the next step."""
+        drop = tuple(self._drops)
+        self._drops.clear()
+        if self._breaker_since is not None:
+            due = self._breaker_since + self.config.breaker_probe_interval_s
+            return Batch(drop=drop, probe=True) if now >= due else Batch(drop=drop, wait_until=due)
+        if not self._running and 0 < len(self._waiting) < self.batch_limit:
+            # Idle → busy: wait up to max_wait for more streams to share the first step.
+            deadline = min(entry.since for _, _, entry in self._waiting) + self.config.max_wait_s
+            if now < deadline:
+                return Batch(drop=drop, wait_until=deadline)
+        add, waited = self._admit(now)
+        step = tuple(itertools.islice(self._running, self.batch_limit))
+        return Batch(drop=drop, add=add, waited_s=waited, step=step)
+
+    def refuse(self, seq_id: int) -> list[StreamEvent]:
+        """The engine would not take this sequence (``engine.add`` raised): its stream fails."""
+        plan = self._running.pop(seq_id, None)
+        if plan is None:
+            return []
+        plan.live_seqs.pop(seq_id, None)  # never in the engine: nothing to drop
+        return self._end(plan, "error", REFUSED_MESSAGE)
+
+    def update(self, batch: Batch, outcome: Outcome, now: float) -> list[CoreEvent]:
+        """What the step (or probe) of ``batch`` did; returns the events it releases."""
+        if isinstance(outcome, Probed):
+            return self._probed(outcome.ok, now)
+        if isinstance(outcome, OutOfMemory):
+            if len(batch.step) > 1:
+                # Retry at once with the first half; the rest stay paused in the engine.
+                self.batch_limit = max(1, len(batch.step) // 2)
+                self._good_steps = 0
+                return []
+            outcome = StepFailed("out of memory with a batch of one")
+        if isinstance(outcome, StepFailed):
+            return self._failed(batch.step, now)
+        self._failures = 0
+        self._grow_batch_limit()
+        self.seconds_per_block = 0.8 * self.seconds_per_block + 0.2 * outcome.elapsed_s
+        events: list[CoreEvent] = []
+        for result in outcome.results:
+            events += self._route(result, now)
+        return events
+
+    def open_breaker(self, now: float) -> list[CoreEvent]:
+        """Stop taking work: waiting streams fail now, new ones are refused, probes begin."""
+        self._breaker_since = now
+        events: list[CoreEvent] = [BreakerChanged(open=True)]
+        waiting = dict.fromkeys(entry.plan for _, _, entry in sorted(self._waiting))
+        for plan in waiting:
+            if not plan.ended:
+                events += self._end(plan, "error", BREAKER_MESSAGE)
+        return events
+
+    # --- internals -------------------------------------------------------------------
+
+    def _queue(self, plan: StreamPlan, now: float) -> list[StreamEvent]:
+        """Queue the stream's next segments as its look-ahead allows; complete it when done."""
+        for index in plan.segments_to_queue(self.config.lookahead):
+            # Priority 0 for the segment a listener is waiting for, 1 for look-ahead.
+            priority = 0 if index == plan.emit_index else 1
+            heapq.heappush(self._waiting, (priority, next(self._order), _Waiting(plan, index, now)))
+        return self._end(plan, "complete") if plan.complete else []
+
+    def _admit(self, now: float) -> tuple[tuple[SequenceRequest, ...], tuple[float, ...]]:
+        added: list[SequenceRequest] = []
+        waited: list[float] = []
+        while self._waiting and len(self._running) < self.batch_limit:
+            _, _, entry = heapq.heappop(self._waiting)
+            plan = entry.plan
+            seq_id = next(self._seq_ids)
+            added.append(
+                SequenceRequest(
+                    seq_id=seq_id,
+                    text=plan.segments[entry.segment],
+                    params=plan.params,
+                    max_tokens=self.config.max_tokens_per_segment,
+                    seed_offset=entry.segment,
+                )
+            )
+            waited.append(now - entry.since)
+            plan.live_seqs[seq_id] = entry.segment
+            self._running[seq_id] = plan
+        return tuple(added), tuple(waited)
+
+    def _route(self, result: StepResult, now: float) -> list[StreamEvent]:
+        plan = self._running.get(result.seq_id)
+        if plan is None:
+            return []
+        segment = plan.live_seqs[result.seq_id]
+        if result.finished:  # the engine has released it already
+            del self._running[result.seq_id]
+            del plan.live_seqs[result.seq_id]
+        events = plan.on_audio(segment, result.audio, result.finished)
+        if result.finished:
+            events += self._queue(plan, now)
+        return events
+
+    def _grow_batch_limit(self) -> None:
+        if self.batch_limit >= self.config.max_batch:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.config.oom_recovery_steps:
+            self.batch_limit += 1
+            self._good_steps = 0
+
+    def _failed(self, step: Sequence[int], now: float) -> list[CoreEvent]:
+        self._failures += 1
+        events: list[CoreEvent] = []
+        # The breaker opens first, so that whoever hears of these failures sees it open.
+        if self._failures >= self.config.breaker_threshold and not self.breaker_open:
+            events += self.open_breaker(now)
+        for seq_id in step:
+            plan = self._running.get(seq_id)
+            if plan is not None:
+                events += self._end(plan, "error", FAILED_MESSAGE)
+        return events
+
+    def _probed(self, ok: bool, now: float) -> list[CoreEvent]:
+        if not ok:
+            self._breaker_since = now
+            return []
+        self._breaker_since = None
+        self._failures = 0
+        return [BreakerChanged(open=False)]
+
+    def _end(self, plan: StreamPlan, reason: EndReason, message: str = "") -> list[StreamEvent]:
+        """End a stream: its engine sequences are dropped by the next batch, its queue entries go."""
+        plan.ended = True
+        for seq_id in plan.live_seqs:
+            if self._running.pop(seq_id, None) is not None:
+                self._drops.append(seq_id)
+        plan.live_seqs.clear()
+        plan.held.clear()
+        self._plans.pop(plan.stream_id, None)
+        before = len(self._waiting)
+        self._waiting = [item for item in self._waiting if item[2].plan is not plan]
+        if len(self._waiting) != before:
+            heapq.heapify(self._waiting)
+        return [Ended(plan.stream_id, reason, message)]
