@@ -114,6 +114,7 @@ class App:
             wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
             info = await self.engine_client.start()
             self._info = server_info(s, info)
+            self.metrics.engine.info({"name": info.name, **info.extra})
             self.service.start()
             self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
             self._server = await serve(
@@ -336,4 +337,5 @@ def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
         max_text_chars=settings.max_text_chars,
         max_streams=settings.max_streams,
         resume_ttl_s=settings.resume_ttl_s,
+        weights=engine.extra.get("weights"),
     )

@@ -53,9 +53,20 @@ class Settings:
         "serve RANDOM weights of this size (made once in the cache) where the real ones cannot be had",
         choices=("", "tiny", "full"),
     )
+    verify_weights: str = _opt(
+        "official",
+        "official: refuse weights whose sha256 differ from ChatTTS's official map; none: load any folder "
+        "in ChatTTS's layout (fine-tuned checkpoints), logged and reported as unverified",
+        choices=("official", "none"),
+    )
     cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
-    dtype: str = _opt("auto", "model precision", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _opt(
+        "auto",
+        "the GPT's precision; auto: bf16 where the CPU/GPU computes it natively (faster), else "
+        "float32 on CPU, fp16 on GPU; only float32 is token-identical to ChatTTS's own infer()",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
     block_schedule: str = _opt(
         "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"

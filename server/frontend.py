@@ -35,6 +35,9 @@ class ServerInfo:
     max_streams: int
     resume_ttl_s: float
     sample_rate: int = 24_000
+    #: Which weights the engine speaks with: ``official``, ``unverified`` or ``random``
+    #: (``None``: an engine without weights, such as the test engine).
+    weights: str | None = None
 
 
 class AccessDenied(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
+from server import tags
 from server.core.client import Generation
 from server.errors import InvalidRequest, TextTooLong
 from server.text import TextBuffer
@@ -44,10 +45,11 @@ class TextFeed:
         """More text.
 
         Raises:
-            InvalidRequest: the text already ended.
+            InvalidRequest: the text already ended, or a control tag is unknown or cannot close.
             TextTooLong: over the stream's total, or too much waiting for a sentence end.
         """
         self._check_open()
+        self._check_tags(self.buffer.pending + text, open_end=True)
         if self.total_chars + len(text) > self.max_total_chars:
             raise TextTooLong(f"the stream's text would exceed {self.max_total_chars} characters")
         if len(self.buffer.pending) + len(text) > self.max_pending_chars:
@@ -59,14 +61,16 @@ class TextFeed:
         self._arm()
 
     def flush(self) -> None:
-        """Speak what is buffered now."""
+        """Speak what is buffered now (refused while a control tag is still open)."""
         self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
 
     def end(self) -> None:
-        """No more text: speak the rest, then the stream finishes."""
+        """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
         self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
         self._disarm()
         self.ended = True
@@ -80,6 +84,13 @@ class TextFeed:
     def _check_open(self) -> None:
         if self.ended:
             raise InvalidRequest("the stream already ended its text")
+
+    @staticmethod
+    def _check_tags(text: str, *, open_end: bool) -> None:
+        """Control tags must be known; a tag may stay open only while more text can come."""
+        problem = tags.problem(text, open_end=open_end)
+        if problem is not None:
+            raise InvalidRequest(problem)
 
     def _submit(self, segments: list[str]) -> None:
         for segment in segments:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -57,6 +57,11 @@ class Metrics:
             "chattts_cache_misses", "Seeded streams not in the response cache", registry=r
         )
         self.cache_bytes = Gauge("chattts_cache_bytes", "Bytes held by the response cache", registry=r)
+        self.engine = Info(
+            "chattts_engine",
+            "The loaded engine: name, device, dtype, weights (official, unverified or random)",
+            registry=r,
+        )
         self.gpu_memory_bytes = Gauge(
             "chattts_gpu_memory_allocated_bytes", "Accelerator memory allocated (0 without one)", registry=r
         )

@@ -223,21 +223,22 @@ def encode(message: dict[str, Any]) -> str:
 
 
 def hello(info: ServerInfo) -> str:
-    """The first message on every connection."""
-    return encode(
-        {
-            "type": "hello",
-            "protocol": PROTOCOL_VERSION,
-            "server": info.server,
-            "sample_rate": info.sample_rate,
-            "sample_rates": list(info.sample_rates),
-            "formats": list(info.formats),
-            "voices": list(info.voices),
-            "max_text_chars": info.max_text_chars,
-            "max_streams": info.max_streams,
-            "resume_ttl_s": info.resume_ttl_s,
-        }
-    )
+    """The first message on every connection (``weights`` when the engine says what it loaded)."""
+    message: dict[str, Any] = {
+        "type": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "server": info.server,
+        "sample_rate": info.sample_rate,
+        "sample_rates": list(info.sample_rates),
+        "formats": list(info.formats),
+        "voices": list(info.voices),
+        "max_text_chars": info.max_text_chars,
+        "max_streams": info.max_streams,
+        "resume_ttl_s": info.resume_ttl_s,
+    }
+    if info.weights is not None:
+        message["weights"] = info.weights
+    return encode(message)
 
 
 def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int) -> str:

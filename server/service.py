@@ -30,6 +30,7 @@ from server.outbox import Frame, Outbox, OutItem
 from server.registry import StreamRegistry
 from server.request import SpeechRequest
 from server.stream import Lease, Stream, StreamState, new_stream_token, redact
+from server.tags import problem as tag_problem
 from server.text import TextBuffer, has_speakable, split_segments
 
 log = logging.getLogger(__name__)
@@ -138,12 +139,15 @@ class SpeechService:
         return stream
 
     def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
-        """The stream's encoder; checks text size, format, rate and voice first."""
+        """The stream's encoder; checks text size, control tags, format, rate and voice first."""
         limit = self.settings.max_text_chars
         if request.text is None and not request.incremental:
             raise InvalidRequest("missing field `text`")
         if request.text is not None and len(request.text) > limit:
             raise TextTooLong(f"text has {len(request.text)} characters; the limit is {limit}")
+        # An incremental stream's first text may end inside a tag that a later append closes.
+        if (problem := tag_problem(request.text or "", open_end=request.incremental)) is not None:
+            raise InvalidRequest(problem)
         s = self.settings
         try:
             encoder = make_encoder(

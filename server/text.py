@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from server import tags
+
 #: Characters that end a sentence whatever follows (CJK and unambiguous Latin).
 _HARD_END: Final = "。！？!?；;…"
 #: Closing quotes/brackets that belong to the sentence before them.
@@ -60,8 +62,8 @@ def _cut_long(sentence: str, max_chars: int) -> list[str]:
         for match in _CLAUSE_END.finditer(window):
             if match.end() <= max_chars:
                 cut = match.end()
-        if cut < max_chars // 3:  # no useful clause end: cut hard at the limit
-            cut = max_chars
+        if cut < max_chars // 3:  # no useful clause end: cut hard at the limit, never inside a tag
+            cut = tags.safe_cut(rest, max_chars)
         head = rest[:cut].strip()
         if head:
             pieces.append(head)
@@ -90,13 +92,17 @@ def split_segments(
     pieces = [piece for sentence in sentences for piece in _cut_long(sentence, max_chars)]
     merged: list[str] = []
     for piece in pieces:
-        if merged and (len(piece) < min_chars or len(merged[-1]) < min_chars):
+        if merged and (_spoken_len(piece) < min_chars or _spoken_len(merged[-1]) < min_chars):
             joined = _join(merged[-1], piece)
             if len(joined) <= max_chars:
                 merged[-1] = joined
                 continue
         merged.append(piece)
     return merged
+
+
+def _spoken_len(piece: str) -> int:
+    return len(tags.TAG.sub("", piece))
 
 
 def _join(left: str, right: str) -> str:
@@ -146,15 +152,21 @@ class TextBuffer:
         return speakable_segments(sentences, max_chars=self.max_chars)
 
     def take_clause(self) -> list[str]:
-        """The text stalled: release it up to its last clause boundary, or all of it."""
+        """The text stalled: release it up to its last clause boundary, or all of it.
+
+        An unfinished control tag at the end ("... [uv_") is never released: its
+        closing bracket may still come.
+        """
+        ready = self._pending[: tags.open_tail(self._pending)]
         cut = 0
-        for match in _CLAUSE_END.finditer(self._pending):
+        for match in _CLAUSE_END.finditer(ready):
             if match.group().strip():  # a punctuation mark, not just a space
                 cut = match.end()
-        if cut == 0 or not has_speakable(self._pending[cut:]):
-            return self.take_all()
+        if cut == 0 or not has_speakable(ready[cut:]):
+            cut = len(ready)
         head, self._pending = self._pending[:cut], self._pending[cut:]
-        return speakable_segments([clean(head)], max_chars=self.max_chars)
+        head = clean(head)
+        return speakable_segments([head], max_chars=self.max_chars) if head else []
 
     def take_all(self) -> list[str]:
         """Release everything buffered (``flush``, ``end``)."""

@@ -37,9 +37,9 @@ async def spawn_server(
     )
 
 
-async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
-    """Poll ``/ready`` until 200 (60 s at most); fail at once if the server exits."""
-    async with asyncio.timeout(60):
+async def wait_ready(port: int, proc: asyncio.subprocess.Process, timeout_s: float = 60) -> None:
+    """Poll ``/ready`` until 200 (``timeout_s`` at most); fail at once if the server exits."""
+    async with asyncio.timeout(timeout_s):
         while True:
             assert proc.returncode is None, "server exited during start-up"
             try:

@@ -41,14 +41,15 @@ from server.engine.base import (
     StepResult,
     SynthesisParams,
 )
-from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, load_chat
+from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts_batch import stream_key
 from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, SlotLayout, TokenTap
 from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
+from server.engine.chattts_reference import CodePrompt, code_prompt
 from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
+from server.engine.chattts_text import ChatTTSText
 from server.engine.chattts_vocode import BatchVocoder
 from server.engine.chattts_voice import VoiceBank, speed_token
-from server.normalize import speakable
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
@@ -101,6 +102,7 @@ class ChatTTSEngine:
         self.voices = VoiceBank(
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
+        self.text = ChatTTSText(chat.normalizer)
         self.slots = options.get("max_batch", 16)
         self.segment_max_tokens = options.get("segment_max_tokens", 2048)
         self.max_len = kv_length(
@@ -159,6 +161,7 @@ class ChatTTSEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "model_dir": str(self._loaded.model_dir),
             "random_weights": "true" if self._loaded.random_weights else "false",
+            "weights": self._loaded.weights,
             **self._batch.describe(),
         }
 
@@ -172,6 +175,7 @@ class ChatTTSEngine:
         num_threads: int | None = None,
         cache_dir: Path | None = None,
         download_timeout_s: float = 5.0,
+        verify_weights: Verify = "official",
         **options: Unpack[EngineOptions],
     ) -> ChatTTSEngine:
         """Load the weights and build the engine.
@@ -180,11 +184,13 @@ class ChatTTSEngine:
             model_dir: folder with ChatTTS's ``asset/`` layout (official or dev model);
                 ``None`` = official weights from the hub cache, downloaded once.
             device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-            dtype: the Llama's dtype: ``"auto"`` (bf16 on CPU, bf16/fp16 on GPU),
+            dtype: the Llama's dtype: ``"auto"`` (bf16 where native, else float32 on CPU, fp16 on GPU),
                 ``"float32"``, ``"bfloat16"``, ``"float16"``. Decoder and vocoder stay float32.
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.
             download_timeout_s: hub timeout; offline fails within about this long.
+            verify_weights: ``"official"`` (hash-checked) or ``"none"`` (fine-tuned weights,
+                reported as unverified); see :func:`server.engine.chattts_assets.load_chat`.
             **options: see :class:`server.engine.chattts_setup.EngineOptions`.
 
         Raises:
@@ -194,7 +200,11 @@ class ChatTTSEngine:
             torch.set_num_threads(num_threads)
         dev = resolve_device(device)
         loaded = load_chat(
-            model_dir=model_dir, device=dev, cache_dir=cache_dir, download_timeout_s=download_timeout_s
+            model_dir=model_dir,
+            device=dev,
+            cache_dir=cache_dir,
+            download_timeout_s=download_timeout_s,
+            verify=verify_weights,
         )
         return cls(loaded, device=dev, dtype=resolve_dtype(dtype, dev), **options)
 
@@ -228,11 +238,20 @@ class ChatTTSEngine:
         return self.voices.resolve(voice) is not None
 
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
-        """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt)."""
-        decorated: list[str] = self._chat.speaker.decorate_code_prompts(
-            [speakable(text)], speed_token(params.speed), None, "spk"
-        )
-        return decorated[0]
+        """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
+
+        ``text`` is the user's segment; it goes through :class:`ChatTTSText` (our number
+        speller, then ChatTTS's own normalizer) first. A voice from a recording reads
+        ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts_reference`).
+        """
+        return self._code_prompt(text, params).text
+
+    def _code_prompt(self, text: str, params: SynthesisParams) -> CodePrompt:
+        voice = self.voices.resolve(params.voice)
+        if voice is None:
+            raise EngineError(f"unknown voice {params.voice!r}")
+        speed = speed_token(params.speed)
+        return code_prompt(self._chat, self.text.model_text(text), speed, voice, device=self.device)
 
     def _prompt_tokens(self, text: str) -> int:
         ids = self._chat.tokenizer.encode([self.prompt_text(text, SynthesisParams())], self.num_vq)[0]
@@ -244,12 +263,8 @@ class ChatTTSEngine:
             raise EngineError(f"sequence {request.seq_id} already exists")
         if len(self._seqs) >= self.slots:
             raise EngineError(f"all {self.slots} KV slots are in use (--max-batch)")
-        spk = self.voices.resolve(request.params.voice)
-        if spk is None:
-            raise EngineError(f"unknown voice {request.params.voice!r}")
-        input_ids, _, text_mask = self._chat.tokenizer.encode(
-            [self.prompt_text(request.text, request.params)], self.num_vq, device=self.device
-        )
+        prompt = self._code_prompt(request.text, request.params)
+        input_ids, text_mask = prompt.input_ids, prompt.text_mask
         n = int(input_ids.shape[1])
         if self.prefill_length(n) >= self.max_len:
             raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
@@ -259,7 +274,7 @@ class ChatTTSEngine:
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
-            speaker=spk,
+            speaker=prompt.speaker,
             key=stream_key(seed),
             decoder=StreamDecoder(None, **self._decode_opts),
             max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
@@ -300,8 +315,9 @@ class ChatTTSEngine:
     def _prefill(self, row: Row) -> None:
         """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
         emb = self._chat.embed(row.input_ids, row.text_mask)
-        spk_ids = self._chat.tokenizer.spk_emb_ids
-        self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
+        if row.speaker is not None:  # None: a voice from a recording ([empty_spk] + its codes)
+            spk_ids = self._chat.tokenizer.spk_emb_ids
+            self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
         self._batch.prefill(row, self._pad_prompt(emb), int(emb.shape[1]))
 
     def _pad_prompt(self, emb: torch.Tensor) -> torch.Tensor:

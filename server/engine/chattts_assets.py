@@ -10,6 +10,13 @@ Two sources:
 * no folder: the official weights from the Hugging Face hub
   (``2Noise/ChatTTS``), downloaded once into a cache and reused. Offline,
   loading fails fast with :class:`ModelUnavailableError`.
+
+With ``verify="none"`` (``--verify-weights none``) a folder without a dev
+manifest is loaded without ChatTTS's hash check, so fine-tuned checkpoints
+in ChatTTS's layout can be served; they are reported as ``unverified``.
+ChatTTS 0.2.5 reads only ``asset/`` (its module sizes are fixed in
+``ChatTTS.config.Config``; only the Llama's ``asset/gpt/config.json`` is read),
+so such a checkpoint must keep the official architecture.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import torch
@@ -29,6 +36,7 @@ import torch
 from server.engine.chattts_devmodel import ASSET_FILES, DEV_MANIFEST, DEV_MANIFEST_KIND, build_config
 
 HF_REPO_ID = "2Noise/ChatTTS"
+Verify = Literal["official", "none"]
 #: Only what ChatTTS's asset layout needs (the hub repo also holds old .pt files).
 HF_ALLOW_PATTERNS = ["asset/*.safetensors", "asset/gpt/*", "asset/tokenizer/*"]
 
@@ -53,16 +61,25 @@ class LoadedChat:
         chat: the loaded ``ChatTTS.Chat`` (modules: gpt, embed, decoder, vocos, tokenizer, speaker).
         model_dir: the folder holding ``asset/``.
         dev_manifest: the ``DEV_MODEL.json`` content when the weights are random, else ``None``.
+        verified: the files matched a hash map (ChatTTS's official one, or the dev manifest's).
     """
 
     chat: Any
     model_dir: Path
     dev_manifest: dict[str, Any] | None
+    verified: bool = True
 
     @property
     def random_weights(self) -> bool:
         """Whether these are random (dev) weights rather than the official ones."""
         return self.dev_manifest is not None
+
+    @property
+    def weights(self) -> str:
+        """``"random"`` (a dev model), ``"official"`` (hash-checked) or ``"unverified"``."""
+        if self.random_weights:
+            return "random"
+        return "official" if self.verified else "unverified"
 
 
 def default_cache_dir() -> Path:
@@ -176,6 +193,7 @@ def load_chat(
     device: torch.device,
     cache_dir: Path | None = None,
     download_timeout_s: float = 5.0,
+    verify: Verify = "official",
 ) -> LoadedChat:
     """Load ChatTTS's modules from ``model_dir`` (or the official weights) onto ``device``.
 
@@ -184,6 +202,9 @@ def load_chat(
         device: torch device for every module.
         cache_dir: hub cache for ``model_dir=None``.
         download_timeout_s: hub timeout for ``model_dir=None``.
+        verify: ``"official"`` checks the files against ChatTTS's official sha256 map (a dev
+            model against its manifest); ``"none"`` skips that check for folders without a
+            dev manifest (fine-tuned weights), with one warning line.
 
     Raises:
         ModelUnavailableError: missing files, failed hash check, or no way to download.
@@ -210,7 +231,14 @@ def load_chat(
         chat.config = build_config(manifest.get("config") or None)
         # Random files fail ChatTTS's official hash map by design; check them against the manifest.
         chat.sha256_map = dict(manifest["sha256"])
-    # else: keep ChatTTS's own official sha256_map: real weights are always hash-checked.
+    # else: keep ChatTTS's own official sha256_map: real weights are hash-checked unless told not to.
+    unverified = manifest is None and verify == "none"
+    if unverified:
+        log.warning(
+            "UNVERIFIED WEIGHTS: loading %s without checking it against ChatTTS's official hashes "
+            "(--verify-weights none); hello and /metrics report weights=unverified",
+            folder,
+        )
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -218,14 +246,44 @@ def load_chat(
     # "weights newly initialized: embed_tokens" notice is expected noise.
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
-        ok = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
+        ok = _load_unverified(chat, folder, device) if unverified else _load_checked(chat, folder, device)
     finally:
         hf_logging.set_verbosity(verbosity)
     if not ok:
-        what = "the DEV_MODEL.json hashes" if manifest is not None else "ChatTTS's official sha256 map"
+        if manifest is not None:
+            raise ModelUnavailableError(
+                f"loading ChatTTS from {folder} failed (files do not match the DEV_MODEL.json hashes, "
+                "or a module failed to load); regenerate the folder"
+            )
         raise ModelUnavailableError(
-            f"loading ChatTTS from {folder} failed (files do not match {what}, or a module failed to load); "
-            f"re-download or regenerate the folder"
+            f"loading ChatTTS from {folder} failed: its files do not match ChatTTS's official sha256 map "
+            "(re-download them), or a module failed to load; to serve fine-tuned or otherwise modified "
+            "weights pass --verify-weights none (CHATTTS_VERIFY_WEIGHTS=none)"
         )
     log.info("ChatTTS modules loaded from %s in %.2f s", folder, time.perf_counter() - started)
-    return LoadedChat(chat=chat, model_dir=folder, dev_manifest=manifest)
+    return LoadedChat(chat=chat, model_dir=folder, dev_manifest=manifest, verified=not unverified)
+
+
+def _load_checked(chat: Any, folder: Path, device: torch.device) -> bool:
+    """``Chat.load`` from a folder: ChatTTS checks every file's sha256 against ``chat.sha256_map``."""
+    ok: bool = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
+    return ok
+
+
+def _load_unverified(chat: Any, folder: Path, device: torch.device) -> bool:
+    """What ``Chat.load`` does after its hash check (``Chat._load`` with the asset paths).
+
+    ``Chat.load(source="custom")`` cannot skip ``check_all_assets``; ``_load`` is the rest of
+    it (ChatTTS is pinned at 0.2.5). A file with the wrong shapes raises from ``load_state_dict``:
+    that becomes a one-line :class:`ModelUnavailableError`.
+    """
+    paths = {key: str(folder / rel) for key, rel in asdict(chat.config.path).items()}
+    try:
+        ok: bool = chat._load(device=device, compile=False, **paths)
+    except Exception as exc:  # shape mismatches, truncated files: the user's checkpoint is wrong
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelUnavailableError(
+            f"loading the unverified weights in {folder} failed: {first[:300]} "
+            "(ChatTTS 0.2.5 needs the official architecture sizes)"
+        ) from None
+    return ok

@@ -27,6 +27,9 @@ import torch
 PENALTY_WINDOW = 16
 #: HF's top-p/top-k warpers as ChatTTS builds them keep at least this many tokens.
 MIN_TOKENS_TO_KEEP = 3
+#: Only guards the division: ChatTTS divides by any positive temperature, so near-greedy
+#: settings (1e-12) must reach the logits unchanged to stay token-identical to it.
+MIN_TEMPERATURE = 1e-30
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1

@@ -57,7 +57,7 @@ class Row:
     request: SequenceRequest
     input_ids: torch.Tensor
     text_mask: torch.Tensor
-    speaker: torch.Tensor
+    speaker: torch.Tensor | None  # None: a voice from a recording ([empty_spk] + its codes)
     key: tuple[int, int]
     decoder: StreamDecoder
     max_tokens: int

@@ -46,23 +46,16 @@ ASSET_FILES: tuple[tuple[str, str], ...] = (
     ("asset/tokenizer/tokenizer.json", "sha256_asset_tokenizer_tokenizer_json"),
 )
 
-#: ChatTTS's prompt and control tokens (see ChatTTS core.py, speaker.py, tokenizer.py).
+#: ChatTTS's 50 tokens after BERT's vocabulary, in the official tokenizer's order (ids 21128 on):
+#: the order matters, because ``infer`` drops refined tokens from ``[break_0]`` on.
 CHATTTS_TOKENS: tuple[str, ...] = (
-    "[Stts]",
-    "[spk_emb]",
-    "[empty_spk]",
-    "[Ptts]",
-    "[Sbreak]",
-    "[Pbreak]",
-    "[Ebreak]",
-    "[uv_break]",
-    "[v_break]",
-    "[lbreak]",
-    "[laugh]",
-    *(f"[speed_{k}]" for k in range(10)),
-    *(f"[oral_{k}]" for k in range(10)),
-    *(f"[laugh_{k}]" for k in range(3)),
+    *("[Sasr]", "[Pasr]", "[Easr]", "[Stts]", "[Ptts]", "[Etts]", "[Sbreak]", "[Pbreak]", "[Ebreak]"),
+    *("[uv_break]", "[v_break]", "[lbreak]", "[llbreak]", "[undefine]", "[laugh]", "[spk_emb]"),
+    *("[empty_spk]", "[music]", "[pure]"),
     *(f"[break_{k}]" for k in range(8)),
+    *(f"[laugh_{k}]" for k in range(3)),
+    *(f"[oral_{k}]" for k in range(10)),
+    *(f"[speed_{k}]" for k in range(10)),
 )
 _BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _CJK_PUNCT = "，。！？、；：“”‘’《》（）【】…—～·「」"

@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from server.engine.chattts_batch import PENALTY_WINDOW, RowSampling, counter_uniforms, sample_codes
+from server.engine.chattts_batch import (
+    MIN_TEMPERATURE,
+    PENALTY_WINDOW,
+    RowSampling,
+    counter_uniforms,
+    sample_codes,
+)
 from server.engine.chattts_llama import attention_for, decode_layers, forward_layers
 from server.engine.chattts_slots import SlotKV
 
@@ -130,7 +136,7 @@ class SlotState:
         self.lengths[slot] = length
         self.tokens[slot] = 0
         self.max_tokens[slot] = max_tokens
-        self.temperature[slot] = max(1e-5, temperature)
+        self.temperature[slot] = max(MIN_TEMPERATURE, temperature)
         self.top_p[slot] = min(1.0, max(0.0, top_p))
         self.top_k[slot] = max(1, top_k)
         self.key0[slot] = key[0]

@@ -15,6 +15,11 @@ from collections import OrderedDict
 
 import torch
 
+from server.engine.chattts_reference import ReferenceVoice
+
+#: What a voice name resolves to: a speaker embedding, or a recording's codes and transcript.
+Voice = torch.Tensor | ReferenceVoice
+
 #: ``[speed_k]`` control used at speed 1.0 (ChatTTS's default prompt).
 DEFAULT_SPEED_TOKEN = 5
 
@@ -58,6 +63,7 @@ class VoiceBank:
         self.default_voice = default_voice
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
+        self._references: dict[str, ReferenceVoice] = {}
         if default_voice == "default" or self.resolve(default_voice) is None:
             raise ValueError(f"default_voice {default_voice!r} is not a seed:N voice or speaker string")
 
@@ -78,8 +84,21 @@ class VoiceBank:
             return None
         return torch.from_numpy(values)
 
-    def resolve(self, voice: str) -> torch.Tensor | None:
-        """The speaker embedding for ``voice``, or ``None`` when it names no voice."""
+    def register(self, name: str, voice: ReferenceVoice) -> None:
+        """Make ``name`` speak with a recording's voice (its store bounds how many exist)."""
+        if name == "default" or parse_seed(name) is not None or self._decode_string(name) is not None:
+            raise ValueError(f"{name!r} already names a built-in voice")
+        self._references[name] = voice
+
+    def forget(self, name: str) -> None:
+        """Drop a registered recording voice (no-op when unknown)."""
+        self._references.pop(name, None)
+
+    def resolve(self, voice: str) -> Voice | None:
+        """The speaker embedding or recording voice ``voice`` names, or ``None``."""
+        reference = self._references.get(voice)
+        if reference is not None:
+            return reference
         if voice == "default":
             voice = self.default_voice
         hit = self._cache.get(voice)
@@ -98,7 +117,7 @@ class VoiceBank:
     def speaker_string(self, voice: str) -> str | None:
         """The ChatTTS speaker string of ``voice`` (what ``sample_random_speaker()`` returns)."""
         spk = self.resolve(voice)
-        if spk is None:
+        if spk is None or isinstance(spk, ReferenceVoice):
             return None
         text: str = self._speaker._encode(spk)  # type: ignore[attr-defined]
         return text

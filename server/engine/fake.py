@@ -29,8 +29,9 @@ from server.engine.base import (
 )
 
 SAMPLES_PER_TOKEN = 512
-#: A sequence whose text contains this marker makes every step it is in fail.
-FAIL_MARKER = "[[fail]]"
+#: A sequence whose text contains this marker makes every step it is in fail (no square
+#: brackets: those are reserved for control tags and refused before any engine sees them).
+FAIL_MARKER = "{{fail}}"
 FAKE_VOICES = ("default", "alto", "tenor")
 
 

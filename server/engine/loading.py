@@ -70,6 +70,7 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 dtype=settings.dtype,
                 num_threads=settings.threads or None,
                 cache_dir=cache_root(settings) / "hub",
+                verify_weights="none" if settings.verify_weights == "none" else "official",
                 block_schedule=blocks,
                 prefill_bucket=settings.prefill_bucket,
                 warmup_prompt_chars=settings.segment_max_chars,

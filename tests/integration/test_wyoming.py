@@ -76,11 +76,16 @@ async def ws_pcm(app: App, **fields: Any) -> bytes:
 
 
 async def refused(app: App, *events: Event) -> Error:
-    """Send ``events`` on a new connection: answered with one error event, then closed."""
+    """Send ``events`` on a new connection: answered with one error event, then closed.
+
+    A ``synthesize-start`` that was accepted is answered with ``audio-start`` first.
+    """
     async with client(app) as c:
         for event in events:
             await c.write_event(event)
         answer = await read(c)
+        if answer is not None and AudioStart.is_type(answer.type) and SynthesizeStart.is_type(events[0].type):
+            answer = await read(c)
         assert answer is not None and Error.is_type(answer.type), answer
         assert await read(c) is None  # the server closed the connection
     return Error.from_event(answer)
@@ -172,6 +177,35 @@ async def test_an_unknown_voice_gets_an_error_event(make_app: MakeApp) -> None:
     assert error.code == "unsupported" and "nobody" in error.text
     error = await refused(app, SynthesizeStart(voice=SynthesizeVoice("nobody")).event())
     assert error.code == "unsupported"
+
+
+async def test_an_unknown_control_tag_gets_an_error_event(make_app: MakeApp) -> None:
+    """The same tag checks as the WebSocket and the HTTP API, in both forms of synthesize."""
+    app = await make_app(*WYOMING)
+    error = await refused(app, Synthesize("Wait [break_99] here.").event())
+    assert error.code == "bad_request" and "[break_99]" in error.text
+    error = await refused(app, Synthesize("Hello [uv_break there.").event())  # never closed
+    assert error.code == "bad_request" and "[uv_break there." in error.text
+    start_event = SynthesizeStart(voice=SynthesizeVoice("default")).event()
+    error = await refused(app, start_event, SynthesizeChunk("你好[foo]。").event())
+    assert error.code == "bad_request" and "[foo]" in error.text
+    # A tag split across chunks may stay open until the chunk that closes it; not past the stop.
+    error = await refused(app, start_event, SynthesizeChunk("Hi [uv_").event(), SynthesizeStop().event())
+    assert error.code == "bad_request" and "[uv_" in error.text
+    await wait_until(lambda: app.active_streams == 0)
+
+
+async def test_a_tag_split_across_chunks_is_spoken_like_the_whole_text(make_app: MakeApp) -> None:
+    app = await make_app(*WYOMING)
+    text = "Hello [uv_break]there [laugh]. 你好[break_3]，再见。"
+    async with client(app) as c:
+        await c.write_event(SynthesizeStart(voice=SynthesizeVoice("default")).event())
+        for piece in ("Hello [uv_", "break]there [la", "ugh]. 你好[", "break_3]，再见。"):
+            await c.write_event(SynthesizeChunk(piece).event())
+        await c.write_event(SynthesizeStop().event())
+        events = await until_end(c, streaming=True)
+    assert SynthesizeStopped.is_type(events[-1].type), events[-1]
+    assert pcm(events) == await ws_pcm(app, text=text, seed=0, voice="default")
 
 
 async def test_a_rate_limited_client_gets_an_error(make_app: MakeApp) -> None:

@@ -111,11 +111,14 @@ def test_paused_rows_resume(tiny_engine: Any) -> None:
 def test_drop_mid_stream_frees_state(tiny_engine: Any) -> None:
     tiny_engine.add(req(600, SENTENCES[0], max_tokens=200))
     tiny_engine.add(req(601, SENTENCES[1], max_tokens=200))
-    tiny_engine.step([600, 601])
+    finished = {r.seq_id: r.finished for r in tiny_engine.step([600, 601])}
+    assert not finished[600], "the dropped sequence must still be running"
+    # A random model may end the other one in its first block; the engine frees it then.
+    others = 0 if finished[601] else 1
     tiny_engine.drop(600)
     tiny_engine.drop(600)  # unknown now: no-op
-    assert tiny_engine.live_sequences == 1
-    assert tiny_engine.free_slots == tiny_engine.slots - 1
+    assert tiny_engine.live_sequences == others
+    assert tiny_engine.free_slots == tiny_engine.slots - others
     tiny_engine.drop(601)
     assert tiny_engine.free_slots == tiny_engine.slots
 

@@ -61,6 +61,8 @@ async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
 async def test_three_sentences_stream_with_token_implied_lengths(model_app: App) -> None:
     ws, hello = await open_client(model_app.port)
     assert hello["server"].endswith("(chattts)")
+    assert hello["weights"] == "random"  # a dev model, hash-checked against its own manifest
+    assert 'weights="random"' in model_app.metrics.render().decode()
     tokens_before = _tokens(model_app)
     await start(ws, id="m", text=TEXT, seed=3)
     log = (await collect(ws, {"m"}))["m"]

@@ -33,3 +33,31 @@ def test_help_documents_every_flag_with_its_variable(capsys: pytest.CaptureFixtu
         ("--dev-model", "CHATTTS_DEV_MODEL"),
     ]:
         assert flag in out and env in out
+
+
+def test_verify_weights_defaults_to_official_and_takes_its_variable() -> None:
+    assert load_settings([], env={}).verify_weights == "official"
+    assert load_settings([], env={"CHATTTS_VERIFY_WEIGHTS": "none"}).verify_weights == "none"
+    assert load_settings(
+        ["--verify-weights", "official"], env={"CHATTTS_VERIFY_WEIGHTS": "none"}
+    ).verify_weights == ("official")
+    with pytest.raises(SystemExit):
+        load_settings(["--verify-weights", "sometimes"], env={})
+
+
+def test_dtype_auto_on_the_cpu_is_bf16_only_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ChatTTS")
+    from server.engine import chattts_setup
+    from server.engine.chattts import resolve_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(chattts_setup, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(chattts_setup, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("int8", cpu)
