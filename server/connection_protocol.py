@@ -201,6 +201,7 @@ class ConnectionProtocol:
             stream.encoder.format,
             outbox.sample_rate,
             opus_preskip(stream.encoder),
+            None if stream.text is None else stream.text.received,
         )
         return [*actions, Send(resumed), StartPump(attachment, index)]
 

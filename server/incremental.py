@@ -38,6 +38,9 @@ class TextFeed:
         self.max_pending_chars = max_pending_chars
         self.delay_s = delay_s
         self.ended = False
+        #: ``append``/``flush``/``end`` messages read for this stream, taken or refused: a
+        #: resumed client re-sends the ones after this count (lost with its old connection).
+        self.received = 0
         self._timer: asyncio.TimerHandle | None = None
         self._arm()
 
@@ -48,6 +51,7 @@ class TextFeed:
             InvalidRequest: the text already ended, or a control tag is unknown or cannot close.
             TextTooLong: over the stream's total, or too much waiting for a sentence end.
         """
+        self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending + text, open_end=True)
         if self.total_chars + len(text) > self.max_total_chars:
@@ -62,6 +66,7 @@ class TextFeed:
 
     def flush(self) -> None:
         """Speak what is buffered now (refused while a control tag is still open)."""
+        self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())
@@ -69,6 +74,7 @@ class TextFeed:
 
     def end(self) -> None:
         """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
+        self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
         self._submit(self.buffer.take_all())

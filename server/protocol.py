@@ -258,9 +258,20 @@ def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preski
 
 
 def resumed(
-    name: str, slot: int, token: str, after_seq: int, fmt: str, sample_rate: int, preskip: int
+    name: str,
+    slot: int,
+    token: str,
+    after_seq: int,
+    fmt: str,
+    sample_rate: int,
+    preskip: int,
+    text_received: int | None = None,
 ) -> str:
-    """The answer to ``resume``; every item after ``after_seq`` follows."""
+    """The answer to ``resume``; every item after ``after_seq`` follows.
+
+    ``text_received`` (incremental streams only): how many ``append``/``flush``/``end``
+    messages the server has read for the stream, so the client re-sends the rest.
+    """
     message: dict[str, Any] = {
         "type": "resumed",
         "id": name,
@@ -272,6 +283,8 @@ def resumed(
     }
     if preskip:
         message["preskip"] = preskip
+    if text_received is not None:
+        message["text_received"] = text_received
     return encode(message)
 
 

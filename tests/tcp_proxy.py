@@ -17,6 +17,11 @@ class CuttableProxy:
         self.cuts = 0
         #: While set, new connections are reset at once (the network is still down).
         self.blocked = False
+        #: While set, what clients send is held, not forwarded (a stalled path); a cut drops it.
+        self.holding = False
+        #: Bytes from clients that a cut dropped while held (they never reached the server).
+        self.dropped_bytes = 0
+        self._held: list[bytes] = []
         self._server: asyncio.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -37,10 +42,21 @@ class CuttableProxy:
             async with asyncio.timeout(5):
                 await self._server.wait_closed()
 
+    def hold(self) -> None:
+        """From now until the next :meth:`cut`, bytes clients send stay in the proxy (in flight)."""
+        self.holding = True
+
     def cut(self) -> None:
-        """Reset every connection through the proxy now (both sides see a TCP RST)."""
+        """Reset every connection through the proxy now (both sides see a TCP RST).
+
+        Bytes held since :meth:`hold` are dropped with them, as a network failure drops what
+        is in flight; forwarding resumes for the connections made after the cut.
+        """
         if self._pairs:
             self.cuts += 1
+        self.dropped_bytes += sum(map(len, self._held))
+        self._held.clear()
+        self.holding = False
         self._reset_all()
 
     def _reset_all(self) -> None:
@@ -59,15 +75,17 @@ class CuttableProxy:
             return
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._pairs.append((writer, up_writer))
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(source, sink))
+        for source, sink, upstream in ((reader, up_writer, True), (up_reader, writer, False)):
+            task = asyncio.create_task(self._pipe(source, sink, upstream))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    @staticmethod
-    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, upstream: bool) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await source.read(65536):
+                if upstream and self.holding:
+                    self._held.append(data)  # bounded by the test: it cuts after a few messages
+                    continue
                 sink.write(data)
                 await sink.drain()
         sink.transport.abort()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chattts_stream_client as cs
+from server import protocol as server_protocol
 from server.app import App
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from tests.integration.conftest import fake_settings
@@ -157,6 +159,99 @@ async def test_text_sent_while_disconnected_goes_out_after_the_resume(make_app: 
         await stream.end()
         proxy.blocked = False
         rest = [chunk.data async for chunk in chunks]
+    assert first.data + b"".join(rest) == once and stream.resumes == 1
+
+
+LONG_ANSWER = ANSWER + " 第四句也在这里。And a fifth one, to be sure."
+
+
+async def incremental_reference(port: int, pieces: list[str], seed: int) -> bytes:
+    """The uncut incremental stream of ``pieces`` (the same client, straight to the server)."""
+    async with cs.Client(url(port)) as client:
+        stream = await client.open_stream(seed=seed, max_buffer_delay_ms=60_000)
+        for piece in pieces:
+            await stream.append(piece)
+        await stream.end()
+        return await stream.read_all()
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    cuts=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 4)), min_size=1, max_size=3),
+    seed=st.integers(0, 1000),
+)
+def test_text_in_flight_at_a_cut_is_sent_again_after_the_resume(
+    cuts: list[tuple[int, int]], seed: int
+) -> None:
+    """Appends (and ``end``) lost with the connection: ``resumed.text_received`` says what arrived.
+
+    Each cut: the path stalls (the proxy holds what the client sends), 1–4 more messages go
+    out into it, then the connection is reset and they are gone. The audio must still equal
+    the uncut incremental stream's, byte for byte.
+    """
+    pieces = llm_tokens(LONG_ANSWER)
+    messages = len(pieces) + 1  # the appends, then end
+
+    async def scenario() -> None:
+        # No stall timer (its timing would change the segments) and no cache; generation paced.
+        app = App(fake_settings("--fake-step-ms", "2", "--resume-ttl-s", "30", "--cache-bytes", "0"))
+        await app.start()
+        try:
+            expected = await incremental_reference(app.port, pieces, seed)
+            plan = {min(at, messages - 1): held for at, held in cuts}
+            proxy = CuttableProxy(app.port)
+            async with proxy, cs.Client(url(proxy.port), read_timeout=20) as client:
+                stream = await client.open_stream(seed=seed, max_buffer_delay_ms=60_000)
+
+                async def feed() -> None:
+                    cut_after: int | None = None
+                    for index in range(messages):
+                        if index in plan and cut_after is None:
+                            proxy.hold()
+                            cut_after = index + plan[index]
+                        await (stream.append(pieces[index]) if index < len(pieces) else stream.end())
+                        if cut_after is not None and (index + 1 >= cut_after or index == messages - 1):
+                            await asyncio.sleep(0.02)  # the held bytes reached the proxy
+                            proxy.cut()
+                            cut_after = None
+
+                async with asyncio.timeout(60):
+                    _, audio = await asyncio.gather(feed(), stream.read_all())
+            assert audio == expected
+            assert proxy.dropped_bytes > 0 and stream.resumes >= 1  # text really was lost in flight
+        finally:
+            await app.stop()
+
+    uvloop.run(scenario())
+
+
+async def test_an_old_server_without_text_received_gets_only_the_unsent_text(
+    make_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a v1 server (no ``text_received``), the client re-sends nothing it already sent."""
+    original = server_protocol.resumed
+
+    def v1_resumed(*args: Any, **kwargs: Any) -> str:
+        message = json.loads(original(*args, **kwargs))
+        message.pop("text_received", None)
+        return json.dumps(message)
+
+    monkeypatch.setattr(server_protocol, "resumed", v1_resumed)
+    app = await make_app("--fake-step-ms", "3")
+    async with CuttableProxy(app.port) as proxy, cs.Client(url(proxy.port), read_timeout=20) as client:
+        once = await client.synthesize(ANSWER, seed=6)
+        stream = await client.open_stream(seed=6, max_buffer_delay_ms=60_000)
+        await stream.append("Sentence one is here. ")
+        chunks = aiter(stream)
+        first = await anext(chunks)
+        proxy.cut()
+        async with asyncio.timeout(10):
+            while stream.phase == "live" and stream.resumes == 0:  # the client saw the loss
+                await asyncio.sleep(0.005)
+        await stream.append("第二句话在这里。The third sentence ends it all.")
+        await stream.end()
+        async with asyncio.timeout(30):
+            rest = [chunk.data async for chunk in chunks]
     assert first.data + b"".join(rest) == once and stream.resumes == 1
 
 

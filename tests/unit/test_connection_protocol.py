@@ -262,6 +262,27 @@ async def test_resume_on_another_connection_moves_the_stream(make_service: MakeS
     assert first.pump_ended(old) == [] and set(second.attached) == {"s"}
 
 
+async def test_resumed_counts_the_text_messages_read_and_none_after_the_move(
+    make_service: MakeService,
+) -> None:
+    service = await make_service("--fake-step-ms", "20")
+    first, second = connect(service), connect(service)
+    old = start(first, "s", "", incremental=True, max_buffer_delay_ms=60_000)
+    assert send(first, type="append", id="s", text="One. ") == []
+    assert send(first, type="flush", id="s") == []
+    assert error_of(send(first, type="append", id="s", text="[nope]"))["code"] == "bad_request"  # read
+    [resumed] = replies(send(second, type="resume", stream=old.stream.token, after_seq=-1))
+    assert resumed["text_received"] == 3
+    # The old connection no longer holds the stream: what it reads now is neither taken nor counted.
+    assert error_of(send(first, type="append", id="s", text="Lost. "))["code"] == "bad_request"
+    assert send(second, type="end", id="s") == []
+    [again] = replies(send(first, type="resume", stream=old.stream.token, after_seq=-1))
+    assert again["text_received"] == 4
+    plain = start(first, "p", "Not incremental.")
+    [resumed_plain] = replies(send(second, type="resume", stream=plain.stream.token, after_seq=-1))
+    assert "text_received" not in resumed_plain
+
+
 async def test_resume_on_the_same_connection_stops_the_old_pump_first(make_service: MakeService) -> None:
     conn = connect(await make_service("--fake-step-ms", "20"))
     old = start(conn, "s", "Resumed where it runs. " * 3, format="opus")

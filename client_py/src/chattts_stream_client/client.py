@@ -207,8 +207,8 @@ class Client:
             return
         stream.phase = "starting"
         if self._ws is not None:
-            for message in stream._start_messages():
-                await self._send_raw(message)
+            stream._attach(restart=True)
+            await stream._send_text()
         # else: lost meanwhile; the reconnect sends it
 
     def _forget(self, stream: SpeechStream) -> None:
@@ -314,8 +314,7 @@ class Client:
                 self._resuming.remove(stream)
             stream._on_resumed(message)
             self._by_slot[stream.slot] = stream  # type: ignore[index]
-            for text in stream._take_outbox():
-                self._spawn(self._send_raw(text))
+            self._spawn(stream._send_text())
         elif kind == "segment" and stream is not None:
             stream._on_segment(message)
         elif kind == "done" and stream is not None:
@@ -399,5 +398,5 @@ class Client:
                 self._resuming.append(stream)
                 await self._send({"type": "resume", "stream": stream.token, "after_seq": stream.last_seq})
             elif stream.phase == "starting":
-                for message in stream._start_messages():
-                    await self._send_raw(message)
+                stream._attach(restart=True)
+                await stream._send_text()

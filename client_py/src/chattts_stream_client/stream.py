@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,10 +59,17 @@ class SpeechStream:
         self.segments: list[Segment] = []
         self._pending_segments: dict[int, list[Segment]] = {}
         self._segment_keys: set[tuple[int, int]] = set()
-        #: Text messages not yet sent (the stream is between connections) and, until
-        #: ``started``, those sent (so that a restart on a new connection repeats them).
-        self._outbox: list[dict[str, Any]] = []
-        self._unacked_text: list[dict[str, Any]] = []
+        #: Text messages (append/flush/end) the server may not have: those sent since the last
+        #: ``resumed`` that counted them (or since ``start``), then those not sent yet. A
+        #: connection can break with the first still in flight; ``resumed.text_received``
+        #: says how many arrived, and the rest are sent again. Bounded by the server's text
+        #: limit per stream (it refuses text beyond ``max_text_chars``).
+        self._text_log: list[dict[str, Any]] = []
+        self._text_sent = 0  # how many of _text_log went out on the current connection
+        self._text_confirmed = 0  # messages the server counted, trimmed from _text_log
+        self._pumping = False
+        self._start_due = False
+        self._connection: object = None  # the connection text goes out on (None: none yet)
         self._ended_text = False
         self._started = asyncio.Event()
         self.created = time.perf_counter()
@@ -153,25 +159,44 @@ class SpeechStream:
             raise self.error
         if self.phase in ("done", "failed", "cancelled"):
             raise RuntimeError(f"the stream is {self.phase}")
-        if self.phase in ("starting", "live") and not self._outbox and self._client._connected:
-            if self.token is None:
-                self._unacked_text.append(message)
-            await self._client._send(message)
-        else:
-            self._outbox.append(message)
+        self._text_log.append(message)
+        await self._send_text()  # or, between connections, after ``resumed`` / a new ``start``
 
     # --- the client's side -------------------------------------------------------
 
-    def _start_messages(self) -> list[str]:
-        """``start`` and the text sent before ``started`` (to repeat on a new connection)."""
-        texts = self._unacked_text + self._outbox
-        self._unacked_text, self._outbox = list(texts), []
-        return [json.dumps(m, ensure_ascii=False) for m in [self._start, *texts]]
+    def _attach(self, *, restart: bool) -> None:
+        """Text may go out on the client's current connection; ``restart``: ``start`` goes first.
 
-    def _take_outbox(self) -> list[str]:
-        """Text held while the stream was between connections (sent after ``resumed``)."""
-        out, self._outbox = self._outbox, []
-        return [json.dumps(m, ensure_ascii=False) for m in out]
+        A new stream on the server (``restart``) has none of the text, so all of it is sent.
+        """
+        self._connection = self._client._ws
+        if restart:
+            self._start_due = True
+            self._text_sent = 0
+
+    async def _send_text(self) -> None:
+        """Send ``start`` if due, then the logged text messages not sent on this connection yet.
+
+        One sender at a time, in order: a message logged while another call is sending goes
+        out from that call's loop. Nothing goes out on a connection the stream is not attached
+        to (before ``resumed`` on a new one, text waits).
+        """
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._connection is not None and self._connection is self._client._ws and not self.finished:
+                if self._start_due:
+                    self._start_due = False
+                    message = self._start
+                elif self._text_sent < len(self._text_log):
+                    message = self._text_log[self._text_sent]
+                    self._text_sent += 1
+                else:
+                    return
+                await self._client._send(message)
+        finally:
+            self._pumping = False
 
     def _on_started(self, message: dict[str, Any]) -> None:
         self.token = str(message["stream"])
@@ -179,7 +204,6 @@ class SpeechStream:
         self.format = str(message.get("format", self.format))
         self.sample_rate = int(message.get("sample_rate", self.sample_rate))
         self.preskip = int(message.get("preskip", 0))
-        self._unacked_text = []
         if self.phase == "starting":
             self.phase = "live"
         self._started.set()
@@ -189,6 +213,19 @@ class SpeechStream:
         self.resumes += 1
         if self.phase in ("starting", "detached"):
             self.phase = "live"
+        self._attach(restart=False)
+        received = message.get("text_received")
+        if isinstance(received, int) and not isinstance(received, bool):
+            # The server read this many: forget those, send the rest again (lost in flight).
+            arrived = min(max(received - self._text_confirmed, 0), len(self._text_log))
+            del self._text_log[:arrived]
+            self._text_confirmed += arrived
+            self._text_sent = 0
+        else:
+            # A server without ``text_received``: what went out is taken as arrived (protocol v1).
+            del self._text_log[: self._text_sent]
+            self._text_confirmed += self._text_sent
+            self._text_sent = 0
 
     def _on_segment(self, message: dict[str, Any]) -> None:
         key = (int(message["seq"]), int(message["sample"]))
