@@ -104,3 +104,13 @@ async def collect(
 
 async def start(ws: ClientConnection, **fields: Any) -> None:
     await ws.send(json.dumps({"type": "start", **fields}))
+
+
+async def stream_payload(port: int, **fields: Any) -> bytes:
+    """The concatenated frame payloads of one complete stream (``start`` fields), the reference."""
+    ws, _ = await open_client(port)
+    await start(ws, id="ref", **fields)
+    log = (await collect(ws, {"ref"}))["ref"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete"
+    return log.payload

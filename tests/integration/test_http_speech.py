@@ -26,7 +26,7 @@ from server.frontend import OPENAI_VOICES
 from server.http_api import wav_header
 from server.text import split_segments
 from tests.integration.conftest import fake_settings
-from tests.wsclient import collect, open_client, start
+from tests.wsclient import open_client, stream_payload
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"
 LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a row. " * 6
@@ -55,12 +55,7 @@ async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
 
 async def ws_payload(app: App, **fields: Any) -> bytes:
     """The concatenated frame payloads of the same request over the WebSocket."""
-    ws, _ = await open_client(app.port)
-    await start(ws, id="ref", **fields)
-    log = (await collect(ws, {"ref"}))["ref"]
-    await ws.close()
-    assert log.done is not None and log.done["reason"] == "complete"
-    return log.payload
+    return await stream_payload(app.port, **fields)
 
 
 async def post(app: App, body: Any, *, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:

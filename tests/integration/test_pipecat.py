@@ -19,7 +19,7 @@ from chattts_stream_client.pipecat import ChatTTSStreamTTSService
 from server.app import App
 from server.engine.fake import FakeEngine
 from tests.integration.test_incremental import ANSWER, llm_tokens
-from tests.wsclient import collect, open_client, start
+from tests.wsclient import stream_payload
 
 
 def url(app: App) -> str:
@@ -27,12 +27,7 @@ def url(app: App) -> str:
 
 
 async def ws_pcm(app: App, text: str, seed: int) -> bytes:
-    ws, _ = await open_client(app.port)
-    await start(ws, id="ref", text=text, seed=seed, voice="default")
-    log = (await collect(ws, {"ref"}))["ref"]
-    await ws.close()
-    assert log.done is not None and log.done["reason"] == "complete"
-    return log.payload
+    return await stream_payload(app.port, text=text, seed=seed, voice="default")
 
 
 def llm_answer(text: str) -> list[Any]:

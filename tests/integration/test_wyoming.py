@@ -34,7 +34,7 @@ from server.frontend import OPENAI_VOICES
 from server.wyoming_api import exposure_problem
 from tests.integration.conftest import MakeApp, fake_settings
 from tests.integration.test_incremental import ANSWER, llm_tokens
-from tests.wsclient import collect, open_client, start
+from tests.wsclient import stream_payload
 
 WYOMING = ("--wyoming-port", "-1")
 READ_TIMEOUT_S = 30.0
@@ -67,12 +67,7 @@ def pcm(events: list[Event]) -> bytes:
 
 
 async def ws_pcm(app: App, **fields: Any) -> bytes:
-    ws, _ = await open_client(app.port)
-    await start(ws, id="ref", **fields)
-    log = (await collect(ws, {"ref"}))["ref"]
-    await ws.close()
-    assert log.done is not None and log.done["reason"] == "complete"
-    return log.payload
+    return await stream_payload(app.port, **fields)
 
 
 async def refused(app: App, *events: Event) -> Error:
