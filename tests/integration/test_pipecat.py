@@ -12,6 +12,7 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMTextFrame,
     TTSAudioRawFrame,
+    TTSSpeakFrame,
 )
 from pipecat.tests.utils import SleepFrame, run_test
 
@@ -49,14 +50,13 @@ async def test_text_frames_in_audio_frames_out_equal_the_websocket_stream(app: A
     down, _ = await run_test(tts, frames_to_send=[*llm_answer(ANSWER), SleepFrame(1.0)])
     audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
     assert audio and {(f.sample_rate, f.num_channels) for f in audio} == {(24_000, 1)}
-    # pipecat hands over sentences; each is one stream of the server: the same bytes as the WebSocket.
-    assert [r.strip() for r in requests] == [
-        "Sentence one is here.",
-        "第二句话在这里。",
-        "The third sentence ends it all.",
-    ]
-    expected = b"".join([await ws_pcm(app, text, 9) for text in requests])
-    assert b"".join(f.audio for f in audio) == expected
+    # pipecat hands over the LLM's tokens as they come; the turn is one incremental stream of the
+    # server, which gives the same bytes as the whole answer in one WebSocket stream.
+    assert "".join(requests) == ANSWER and len(requests) == len(llm_tokens(ANSWER))
+    assert len({f.context_id for f in audio}) == 1
+    assert b"".join(f.audio for f in audio) == await ws_pcm(app, ANSWER, 9)
+    metrics = app.metrics.render().decode()
+    assert 'chattts_streams_total{reason="complete"} 2.0' in metrics  # the turn's and the reference
 
 
 async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> None:
@@ -90,3 +90,22 @@ async def test_interruption_cancels_generation_on_the_server(make_app: Any) -> N
     full = await ws_pcm(app, long_sentence, 3)
     assert len(audio) < len(full) and full.startswith(audio)  # a prefix of the stream: cut short
     assert 'chattts_streams_total{reason="cancelled"} 1.0' in app.metrics.render().decode()
+
+
+async def test_each_turn_and_each_speak_frame_is_one_stream(app: App) -> None:
+    tts = ChatTTSStreamTTSService(url=url(app), seed=4)
+    second = "第二个回答。It has two sentences."
+    frames = [*llm_answer(ANSWER), SleepFrame(0.5), *llm_answer(second), SleepFrame(0.5)]
+    frames += [TTSSpeakFrame("Spoken as it is."), SleepFrame(1.0)]
+    down, _ = await run_test(tts, frames_to_send=frames)
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    turns: dict[str, bytes] = {}
+    for f in audio:
+        turns[f.context_id or ""] = turns.get(f.context_id or "", b"") + f.audio
+    assert list(turns.values()) == [
+        await ws_pcm(app, ANSWER, 4),
+        await ws_pcm(app, second, 4),
+        await ws_pcm(app, "Spoken as it is.", 4),
+    ]
+    # One stream per turn (and per speak frame), each ended by the turn's end: 3 + the 3 references.
+    assert 'chattts_streams_total{reason="complete"} 6.0' in app.metrics.render().decode()

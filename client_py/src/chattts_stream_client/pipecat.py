@@ -1,20 +1,33 @@
 """A pipecat TTS service backed by chattts-stream (``pip install 'chattts-stream-client[pipecat]'``).
 
-pipecat aggregates the LLM's text into sentences and calls :meth:`run_tts`
-for each as soon as it is complete; every sentence becomes one stream on the
-service's single WebSocket connection (the server batches them with other
-work) and its pcm16 chunks go out as ``TTSAudioRawFrame``s while they are
-generated. An interruption cancels every stream of the interrupted turn on
-the server at once (the engine row is freed), and a lost connection is
-resumed by the client without a gap.
+Each LLM turn is one incremental stream on the service's single WebSocket
+connection: pipecat hands over the LLM's tokens as they arrive
+(:meth:`run_tts`), each is ``append``ed, and the server speaks each sentence
+as soon as it is complete (one voice, one continuous timeline for the whole
+answer); the turn's end (:meth:`flush_audio`) is the stream's ``end``. The
+turn's pcm16 chunks go into its audio context as ``TTSAudioRawFrame``s while
+they are generated, from one reader task per turn. An interruption cancels
+the turn's stream on the server at once (the engine row is freed), and a
+lost connection is resumed by the client without a gap or lost text.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
-from pipecat.frames.frames import CancelFrame, EndFrame, ErrorFrame, Frame, StartFrame, TTSAudioRawFrame
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    ErrorFrame,
+    Frame,
+    StartFrame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+)
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
 
@@ -35,6 +48,7 @@ class ChatTTSStreamTTSService(TTSService):
         sample_rate: int = 24_000,
         seed: int | None = None,
         speed: float | None = None,
+        max_buffer_delay_ms: int | None = None,
         client_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -47,10 +61,13 @@ class ChatTTSStreamTTSService(TTSService):
             sample_rate: 8000, 16000, 24000 (native) or 48000; pcm16 at this rate.
             seed: fixed seed for reproducible audio (None: random sampling).
             speed: 0.5 to 2.0.
+            max_buffer_delay_ms: speak a clause after this long without text (None: the
+                server's default).
             client_options: further :class:`~chattts_stream_client.Client` arguments.
             **kwargs: :class:`~pipecat.services.tts_service.TTSService` arguments.
         """
-        kwargs.setdefault("text_aggregation_mode", TextAggregationMode.SENTENCE)
+        # The server finds the sentences itself: the LLM's tokens go to it as they come.
+        kwargs.setdefault("text_aggregation_mode", TextAggregationMode.TOKEN)
         super().__init__(
             sample_rate=sample_rate,
             push_start_frame=True,
@@ -62,7 +79,8 @@ class ChatTTSStreamTTSService(TTSService):
         self._rate = sample_rate
         self._seed = seed
         self._speed = speed
-        self._streams: dict[str, set[SpeechStream]] = {}
+        self._max_buffer_delay_ms = max_buffer_delay_ms
+        self._turns: dict[str, _Turn] = {}
 
     @property
     def client(self) -> Client:
@@ -81,36 +99,87 @@ class ChatTTSStreamTTSService(TTSService):
     async def stop(self, frame: EndFrame) -> None:
         """Close the connection (streams still running are cancelled)."""
         await super().stop(frame)
-        await self._client.close()
+        await self._close_all()
 
     async def cancel(self, frame: CancelFrame) -> None:
         """Close the connection (streams still running are cancelled)."""
         await super().cancel(frame)
-        await self._client.close()
+        await self._close_all()
 
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
-        """Speak one sentence: its chunks become audio frames as they arrive."""
-        voice = self._settings.voice if isinstance(self._settings.voice, str) else "default"
-        stream = self._client.speak(
-            text, voice=voice, sample_rate=self._rate, seed=self._seed, speed=self._speed, format="pcm16"
-        )
-        self._streams.setdefault(context_id, set()).add(stream)
+        """Append the LLM's text to its turn's stream (opened with the turn's first text).
+
+        The audio arrives through the turn's reader task, not from here (hence ``None``).
+        """
+        turn = self._turns.get(context_id)
         try:
-            await self.start_tts_usage_metrics(text)
-            async for chunk in stream:
-                await self.stop_ttfb_metrics()
-                if chunk.data:
-                    yield TTSAudioRawFrame(chunk.data, self._rate, 1, context_id=context_id)
+            if turn is None:
+                turn = await self._open_turn(context_id)
+            await turn.stream.append(text)
         except ChatTTSStreamError as exc:
             yield ErrorFrame(error=f"chattts-stream: {exc}")
-        finally:
-            # Interrupted (the consuming task was cancelled) or failed: stop the server's work.
-            if not stream.finished:
-                await stream.cancel()
-            self._streams.get(context_id, set()).discard(stream)
+            return
+        await self.start_tts_usage_metrics(text)
+        yield None
+
+    async def flush_audio(self, context_id: str | None = None) -> None:
+        """The turn's text is complete: end its stream (the rest is spoken, then it finishes)."""
+        turn = self._turns.get(context_id or "")
+        if turn is not None and not turn.stream.finished:
+            with contextlib.suppress(ChatTTSStreamError, RuntimeError):
+                await turn.stream.end()
 
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """The user interrupted: cancel the turn's streams on the server now."""
-        for stream in list(self._streams.pop(context_id, ())):
-            await stream.cancel()
+        """The user interrupted: cancel the turn's stream on the server now (its row is freed)."""
+        await self._close_turn(context_id)
         await super().on_audio_context_interrupted(context_id)
+
+    async def _open_turn(self, context_id: str) -> _Turn:
+        voice = self._settings.voice if isinstance(self._settings.voice, str) else "default"
+        stream = await self._client.open_stream(
+            voice=voice,
+            sample_rate=self._rate,
+            seed=self._seed,
+            format="pcm16",
+            max_buffer_delay_ms=self._max_buffer_delay_ms,
+            speed=self._speed,  # a start field (None: left out)
+        )
+        # Owned by pipecat's task manager (which reports its failures), cancelled in _close_turn.
+        turn = _Turn(stream, self.create_task(self._play(stream, context_id), f"turn-{context_id}"))
+        self._turns[context_id] = turn
+        return turn
+
+    async def _play(self, stream: SpeechStream, context_id: str) -> None:
+        """The turn's audio into its audio context as it comes, then the context's end."""
+        try:
+            async for chunk in stream:
+                if chunk.data:
+                    frame = TTSAudioRawFrame(chunk.data, self._rate, 1, context_id=context_id)
+                    await self.append_to_audio_context(context_id, frame)
+        except ChatTTSStreamError as exc:
+            await self.append_to_audio_context(context_id, ErrorFrame(error=f"chattts-stream: {exc}"))
+        finally:
+            if self._turns.get(context_id) is not None and self._turns[context_id].stream is stream:
+                del self._turns[context_id]
+        await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+        await self.remove_audio_context(context_id)
+
+    async def _close_turn(self, context_id: str) -> None:
+        turn = self._turns.pop(context_id, None)
+        if turn is None:
+            return
+        await turn.stream.cancel()
+        await self.cancel_task(turn.reader)
+
+    async def _close_all(self) -> None:
+        for context_id in list(self._turns):
+            await self._close_turn(context_id)
+        await self._client.close()
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """One LLM turn: its incremental stream on the server and the task playing its audio."""
+
+    stream: SpeechStream
+    reader: asyncio.Task[None]
