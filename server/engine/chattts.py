@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import secrets
 from pathlib import Path
 from typing import Any, Unpack
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from server.engine.base import (
+    AudioArray,
+    Codes,
     EngineError,
     EngineInfo,
     EngineOutOfMemory,
@@ -45,16 +48,18 @@ from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, Veri
 from server.engine.chattts_batch import stream_key
 from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, SlotLayout, TokenTap
 from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
-from server.engine.chattts_reference import CodePrompt, code_prompt
+from server.engine.chattts_prompt import PromptBuilder, PromptLimits, file_identity
+from server.engine.chattts_refine import RefineParams, RefineQueue, Refiner, RefineRow, TextRefiner
 from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
 from server.engine.chattts_text import ChatTTSText
 from server.engine.chattts_vocode import BatchVocoder
-from server.engine.chattts_voice import VoiceBank, speed_token
+from server.engine.chattts_voice import VoiceBank
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
+_NO_AUDIO = np.zeros(0, np.float32)
 
 
 class ChatTTSEngine:
@@ -103,10 +108,31 @@ class ChatTTSEngine:
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
         self.text = ChatTTSText(chat.normalizer)
+        voice_seconds = float(options.get("voice_max_seconds", 10.0))
+        self.prompts = PromptBuilder(
+            chat,
+            self.text,
+            self.voices,
+            PromptLimits(
+                segment_chars=self.warmup_prompt_chars,
+                refine_tokens=max(0, options.get("refine_max_tokens", 384)),
+                voice_seconds=voice_seconds,
+                transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
+            ),
+            device,
+        )
+        #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
+        self.refiner: Refiner = TextRefiner(chat, device=device)
+        #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
+        self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
+        # One refinement block per step, as long as the longest speech block: see RefineQueue.
+        self._refining: dict[int, SequenceRequest] = {}
+        self._refine_queue = RefineQueue(block_tokens=max(self.block_schedule))
         self.slots = options.get("max_batch", 16)
         self.segment_max_tokens = options.get("segment_max_tokens", 2048)
+        self.longest_prompt = self.prompts.longest()
         self.max_len = kv_length(
-            longest_prompt=self._prompt_tokens("字" * self.warmup_prompt_chars),
+            longest_prompt=self.longest_prompt,
             prefill_bucket=self.prefill_bucket,
             segment_max_tokens=self.segment_max_tokens,
             max_positions=int(cfg.max_position_embeddings),
@@ -140,7 +166,15 @@ class ChatTTSEngine:
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
         self._info = EngineInfo(
-            name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=self._extra()
+            name="chattts",
+            voices=("default",),
+            samples_per_token=SAMPLES_PER_TOKEN,
+            refine=self.prompts.limits.refine_tokens > 0,
+            # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
+            voice_encoder=file_identity(loaded.model_dir / "asset" / "DVAE.safetensors")
+            if voice_seconds > 0
+            else None,
+            extra=self._extra(),
         )
         log.info(
             "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
@@ -220,8 +254,8 @@ class ChatTTSEngine:
 
     @property
     def live_sequences(self) -> int:
-        """Sequences holding state (tests assert that work is freed)."""
-        return len(self._seqs)
+        """Sequences holding state, refining ones included (tests assert that work is freed)."""
+        return len(self._seqs) + len(self._refining)
 
     @property
     def free_slots(self) -> int:
@@ -244,61 +278,88 @@ class ChatTTSEngine:
         speller, then ChatTTS's own normalizer) first. A voice from a recording reads
         ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts_reference`).
         """
-        return self._code_prompt(text, params).text
+        return self.prompts.code_prompt(self.text.model_text(text), params).text
 
-    def _code_prompt(self, text: str, params: SynthesisParams) -> CodePrompt:
-        voice = self.voices.resolve(params.voice)
-        if voice is None:
-            raise EngineError(f"unknown voice {params.voice!r}")
-        speed = speed_token(params.speed)
-        return code_prompt(self._chat, self.text.model_text(text), speed, voice, device=self.device)
-
-    def _prompt_tokens(self, text: str) -> int:
-        ids = self._chat.tokenizer.encode([self.prompt_text(text, SynthesisParams())], self.num_vq)[0]
-        return int(ids.shape[1])
+    def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """DVAE codes of a 24 kHz recording (``Chat.sample_audio_speaker``), checked against the limits."""
+        return self.prompts.encode_voice(audio, transcript)
 
     def add(self, request: SequenceRequest) -> None:
-        """Tokenize and register a sequence; its prefill runs inside the next step that names it."""
-        if request.seq_id in self._seqs:
+        """Tokenize and register a sequence; its prefill runs inside the next step that names it.
+
+        With ``params.refine`` the sequence first waits for its refinement (:class:`RefineQueue`).
+        """
+        if request.seq_id in self._seqs or request.seq_id in self._refining:
             raise EngineError(f"sequence {request.seq_id} already exists")
-        if len(self._seqs) >= self.slots:
+        if self.live_sequences >= self.slots:
             raise EngineError(f"all {self.slots} KV slots are in use (--max-batch)")
-        prompt = self._code_prompt(request.text, request.params)
+        model_text = self.text.model_text(request.text)
+        row = self._row(request, model_text)  # checks the voice and the length, refined or not
+        if not request.params.refine:
+            self._seqs[request.seq_id] = row
+            return
+        if not self._info.refine:
+            raise EngineError("refinement is off on this server (--refine-max-tokens 0)")
+        self._refining[request.seq_id] = request
+        refine = RefineRow(model_text, request.params.refine_prompt, _seed_of(request))
+        self._refine_queue.add(request.seq_id, refine)
+
+    def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
+        """The engine's state of a sequence whose prompt reads ``model_text``."""
+        prompt = self.prompts.code_prompt(model_text, request.params)
         input_ids, text_mask = prompt.input_ids, prompt.text_mask
         n = int(input_ids.shape[1])
         if self.prefill_length(n) >= self.max_len:
+            if refined:  # re-tokenized refinements may run longer than their tokens: speak it unrefined
+                log.warning("a refined prompt of %d tokens does not fit a KV slot; spoken unrefined", n)
+                return self._row(request, self.text.model_text(request.text))
             raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
-        seed = request.params.seed
-        seed = (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
-        self._seqs[request.seq_id] = Row(
+        return Row(
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
             speaker=prompt.speaker,
-            key=stream_key(seed),
+            key=stream_key(_seed_of(request)),
             decoder=StreamDecoder(None, **self._decode_opts),
             max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
         )
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
+        if self._refining.pop(seq_id, None) is not None:
+            self._refine_queue.drop(seq_id)
         row = self._seqs.pop(seq_id, None)
         if row is not None:
             self._batch.release(row)
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
-        """Advance the given sequences by one token block each (prefilling new ones first)."""
-        unknown = [s for s in seq_ids if s not in self._seqs]
+        """Advance the given sequences by one token block each (prefilling new ones first).
+
+        Sequences still refining advance their refinement by one block instead and return
+        no audio; one that finishes refining in this step is prefilled and steps at once.
+        """
+        unknown = [s for s in seq_ids if s not in self._seqs and s not in self._refining]
         if unknown:
             raise EngineError(f"unknown sequence ids {unknown}")
-        if not seq_ids:
-            return []
+        named = list(dict.fromkeys(seq_ids))
         try:
             with torch.inference_mode():
-                return self._step([self._seqs[s] for s in dict.fromkeys(seq_ids)])
+                self._refine([s for s in named if s in self._refining])
+                rows = [self._seqs[s] for s in named if s in self._seqs]
+                results = self._step(rows) if rows else []
         except torch.cuda.OutOfMemoryError as exc:
             self.empty_cache()
             raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
+        refining = [s for s in named if s in self._refining]
+        return results + [StepResult(seq_id=s, audio=_NO_AUDIO, tokens=0, finished=False) for s in refining]
+
+    def _refine(self, seq_ids: list[int]) -> None:
+        """One block of refinement for these sequences; the finished ones get their speech prompt."""
+        if not seq_ids:
+            return
+        for seq_id, refined in self._refine_queue.advance(seq_ids, self.refiner, self.refine_params).items():
+            request = self._refining.pop(seq_id)
+            self._seqs[seq_id] = self._row(request, refined, refined=True)
 
     def empty_cache(self) -> None:
         """Return cached accelerator memory (the scheduler calls it after an OOM)."""
@@ -365,6 +426,8 @@ class ChatTTSEngine:
                 if self.prefill_bucket > 1:
                     self._warm_prefill_buckets()
                 self._batch.runner.prepare(self.step_shapes())
+                if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
+                    self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
             self._prepared = True
         if self.live_sequences >= self.slots:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
@@ -381,8 +444,8 @@ class ChatTTSEngine:
             self.drop(_WARMUP_ID)
 
     def _warm_prefill_buckets(self) -> None:
-        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's."""
-        longest = self.prefill_length(self._prompt_tokens("字" * self.warmup_prompt_chars))
+        """Prefill once at every bucket length up to the longest prompt's (:meth:`PromptBuilder.longest`)."""
+        longest = self.prefill_length(self.longest_prompt)
         self._batch.warm_prefill(range(self.prefill_bucket, longest + 1, self.prefill_bucket), self.device)
 
     def memory_allocated(self) -> int:
@@ -392,9 +455,17 @@ class ChatTTSEngine:
     def close(self) -> None:
         """Release every sequence, the KV slots, the captured graphs and the model."""
         self._seqs.clear()
+        for seq_id in list(self._refining):
+            self.drop(seq_id)
         for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
             if hasattr(self._chat, name):
                 delattr(self._chat, name)
         del self._llama, self._batch
         gc.collect()
         self.empty_cache()
+
+
+def _seed_of(request: SequenceRequest) -> int:
+    """The sequence's seed: the stream's plus the segment's index, or a random one."""
+    seed = request.params.seed
+    return (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)

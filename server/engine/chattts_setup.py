@@ -67,6 +67,11 @@ class EngineOptions(TypedDict, total=False):
         segment_max_tokens: token cap of one sequence; with the longest prompt it sets the
             KV slots' length.
         cuda_graphs: capture the token step as CUDA graphs on a CUDA device.
+        refine_max_tokens: the refinement pass's token cap (``--refine-max-tokens``; 0: off); a
+            refined text may be this long, so it sizes the KV slots too.
+        voice_max_seconds: the longest recording a voice is made from (``--voice-max-seconds``;
+            0: off); its codes are part of every prompt in that voice, so it sizes the KV slots.
+        voice_transcript_tokens: the longest transcript of such a recording, in model tokens.
     """
 
     block_schedule: Sequence[int]
@@ -81,6 +86,9 @@ class EngineOptions(TypedDict, total=False):
     max_batch: int
     segment_max_tokens: int
     cuda_graphs: bool
+    refine_max_tokens: int
+    voice_max_seconds: float
+    voice_transcript_tokens: int
 
 
 def round_up(n: int, multiple: int) -> int:
