@@ -100,8 +100,12 @@ class NativeChat:
         max_tokens: int = MAX_TOKENS,
         spk_smp: str | None = None,
         txt_smp: str | None = None,
+        refine: Any = None,
     ) -> NativeRun:
-        """``infer`` with a speaker (``voice``), a recording's codes and transcript, or both."""
+        """``infer`` with a speaker (``voice``), a recording's codes and transcript, or both.
+
+        ``refine``: ChatTTS's ``RefineTextParams``, to run its refinement pass first.
+        """
         chat = self.chat
         params = chat.InferCodeParams(
             prompt=speed_prompt,
@@ -117,7 +121,13 @@ class NativeChat:
             show_tqdm=False,
         )
         self._seen.clear()
-        chat.infer([text], skip_refine_text=True, split_text=False, params_infer_code=params)
+        chat.infer(
+            [text],
+            skip_refine_text=refine is None,
+            split_text=False,
+            params_refine_text=refine or chat.RefineTextParams(),
+            params_infer_code=params,
+        )
         [prompt] = self._seen["prompt"]
         return NativeRun(
             prompt=prompt,
@@ -186,7 +196,7 @@ def _compare(
     max_tokens: int,
     reference: VoiceSample | None = None,
 ) -> None:
-    """Engine vs native on ``text``; with ``reference``, in that recording's voice (``spk_smp``, ``txt_smp``)."""
+    """Engine vs native on ``text``; with ``reference``, in that recording's voice (spk_smp, txt_smp)."""
     from server.engine.chattts_reference import ReferenceVoice
     from server.engine.chattts_voice import speed_token
 
