@@ -28,6 +28,7 @@ from server.http_api import HttpApi
 from server.metrics import Metrics
 from server.routes import STREAM_PATH, Probes, Routes
 from server.service import SpeechService
+from server.voices import settings_problem
 from server.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,13 @@ class App:
     async def start(self) -> None:
         """Start up; on any failure, undo what was started and raise.
 
-        1. Read the API keys (``--api-keys-file``).
+        1. Read the API keys (``--api-keys-file``); check the voice settings.
         2. Bind the WebSocket port and the HTTP port, so that a busy port fails
            before minutes of model loading (nothing is accepted yet).
         3. Load the engine on the inference thread; its warm-up follows there.
-        4. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
-        5. Serve WebSocket and HTTP on the bound sockets.
+        4. Read the voices made from recordings (``--voices-dir``) that this engine's weights made.
+        5. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
+        6. Serve WebSocket and HTTP on the bound sockets.
 
         Raises:
             StartupError: one line naming the cause and the flag.
@@ -102,9 +104,12 @@ class App:
         s = self.settings
         try:
             self._gate = AccessGate.from_settings(s)
+            if (problem := settings_problem(s)) is not None:
+                raise StartupError(problem)
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
             info = await self.engine_client.start()
+            await self._load_voices(info)
             self._info = server_info(s, info)
             self.metrics.engine.info({"name": info.name, **info.extra})
             self.service.start()
@@ -127,6 +132,20 @@ class App:
             await self.stop()
             raise
         log.info("listening on ws://%s:%d%s", s.host, self.port, STREAM_PATH)
+
+    async def _load_voices(self, info: EngineInfo) -> None:
+        """The voices from recordings that this engine's encoder made (others are skipped, logged).
+
+        Raises:
+            StartupError: the folder cannot be read.
+        """
+        voices = self.service.voices
+        try:
+            await voices.load(info.voice_encoder)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot read --voices-dir {voices.store.folder}: {exc.strerror or exc}"
+            ) from None
 
     async def stop(self) -> None:
         """Shut down (also after a failed start), in order.
