@@ -44,7 +44,10 @@ def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
         from server.engine.fake import FakeEngine
 
         return lambda: FakeEngine(
-            step_base_s=settings.fake_step_ms / 1000, step_per_row_s=settings.fake_row_ms / 1000
+            step_base_s=settings.fake_step_ms / 1000,
+            step_per_row_s=settings.fake_row_ms / 1000,
+            refine=settings.refine_max_tokens > 0,
+            voices=settings.voice_max_seconds > 0,
         )
     from server.engine.loading import chattts_engine_factory
 

@@ -66,9 +66,8 @@ class VoicesApi:
                 return self._error(400, "bad_request", message, "transcript")
             voice = await self.service.voices.create(audio, fields["transcript"], fields.get("name", ""))
         except _TooLarge:
-            return self._error(
-                413, "bad_request", f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
-            )
+            message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
+            return self._error(413, "bad_request", message, "audio_sample")
         except InvalidRequest as exc:
             param = "transcript" if exc.message.startswith("transcript") else "audio_sample"
             return service_error(exc, self.metrics, param=param)
@@ -98,6 +97,9 @@ async def _read_form(request: web.Request, limit: int) -> tuple[dict[str, str], 
         InvalidRequest: not ``multipart/form-data``, or malformed.
         _TooLarge: the recording is over ``limit`` bytes.
     """
+    if request.content_type == "application/x-www-form-urlencoded":  # a form without a file (bounded)
+        posted = await request.post()
+        return {k: v for k, v in posted.items() if k in TEXT_FIELDS and isinstance(v, str)}, None
     if request.content_type != "multipart/form-data":
         raise InvalidRequest(
             f"send multipart/form-data (audio_sample=@file, transcript=...), not {request.content_type}"

@@ -124,6 +124,8 @@ class FakeEngine:
         block_tokens: int = 16,
         tokens_per_char: float = 2.0,
         log_limit: int = 100_000,
+        refine: bool = True,
+        voices: bool = True,
     ) -> None:
         self.step_base_s = step_base_s
         self.step_per_row_s = step_per_row_s
@@ -140,8 +142,8 @@ class FakeEngine:
             name="fake",
             voices=FAKE_VOICES,
             samples_per_token=SAMPLES_PER_TOKEN,
-            refine=True,
-            voice_encoder=FAKE_VOICE_ENCODER,
+            refine=refine,
+            voice_encoder=FAKE_VOICE_ENCODER if voices else None,
         )
 
     @property
