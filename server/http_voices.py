@@ -69,7 +69,10 @@ class VoicesApi:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
             return self._error(413, "bad_request", message, "audio_sample")
         except InvalidRequest as exc:
-            param = "transcript" if exc.message.startswith("transcript") else "audio_sample"
+            # The engine's refusals say "the transcript ...", the library's "transcript ...".
+            param = (
+                "transcript" if exc.message.removeprefix("the ").startswith("transcript") else "audio_sample"
+            )
             return service_error(exc, self.metrics, param=param)
         except ServiceError as exc:
             return service_error(exc, self.metrics)

@@ -46,13 +46,13 @@ from server.engine.base import (
 )
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts_batch import stream_key
-from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, SlotLayout, TokenTap
-from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
-from server.engine.chattts_prompt import PromptBuilder, PromptLimits, file_identity
-from server.engine.chattts_refine import RefineParams, RefineQueue, Refiner, RefineRow, TextRefiner
-from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
+from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, TokenTap
+from server.engine.chattts_decode import StreamDecoder, make_decode_fn
+from server.engine.chattts_prompt import PromptBuilder, PromptLimits
+from server.engine.chattts_refine import RefineParams, Refiner, RefineRow, TextRefiner
+from server.engine.chattts_refining import RefineQueue
+from server.engine.chattts_setup import EngineOptions, engine_info, kv_length, resolve_device, resolve_dtype
 from server.engine.chattts_text import ChatTTSText
-from server.engine.chattts_vocode import BatchVocoder
 from server.engine.chattts_voice import VoiceBank
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
@@ -95,39 +95,26 @@ class ChatTTSEngine:
         }
         self._llama = chat.gpt.gpt.to(dtype=dtype)
         cfg = self._llama.config
-        heads = int(cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
-        embed = chat.embed
-        self.num_vq, self.eos = int(embed.num_vq), int(embed.num_audio_tokens) - 1
-        with torch.inference_mode():
-            # Stacked once: weight_norm would recompute each head's weight on every call.
-            head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
-            code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
         self.voices = VoiceBank(
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
         self.text = ChatTTSText(chat.normalizer)
         voice_seconds = float(options.get("voice_max_seconds", 10.0))
-        self.prompts = PromptBuilder(
-            chat,
-            self.text,
-            self.voices,
-            PromptLimits(
-                segment_chars=self.warmup_prompt_chars,
-                refine_tokens=max(0, options.get("refine_max_tokens", 384)),
-                voice_seconds=voice_seconds,
-                transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
-            ),
-            device,
+        limits = PromptLimits(
+            segment_chars=self.warmup_prompt_chars,
+            refine_tokens=max(0, options.get("refine_max_tokens", 384)),
+            voice_seconds=voice_seconds,
+            transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
         )
+        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, device)
         #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
         self.refiner: Refiner = TextRefiner(chat, device=device)
         #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
         self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
         # One refinement block per step, as long as the longest speech block: see RefineQueue.
-        self._refining: dict[int, SequenceRequest] = {}
-        self._refine_queue = RefineQueue(block_tokens=max(self.block_schedule))
+        self._refining = RefineQueue(block_tokens=max(self.block_schedule))
         self.slots = options.get("max_batch", 16)
         self.segment_max_tokens = options.get("segment_max_tokens", 2048)
         self.longest_prompt = self.prompts.longest()
@@ -137,23 +124,13 @@ class ChatTTSEngine:
             segment_max_tokens=self.segment_max_tokens,
             max_positions=int(cfg.max_position_embeddings),
         )
-        self._batch = SlotBatch(
+        self._batch = SlotBatch.for_chat(
+            chat,
             self._llama,
-            SlotLayout(
-                layers=int(cfg.num_hidden_layers),
-                kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                head_dim=int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
-                hidden_size=self.hidden_size,
-                num_vq=self.num_vq,
-                slots=self.slots,
-                max_len=self.max_len,
-                block_schedule=self.block_schedule,
-                eos=self.eos,
-            ),
-            head_w=head_w,
-            code_w=code_w,
-            # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
-            vocoder=BatchVocoder(chat.decoder, chat.vocos, max_waste=None if device.type == "cuda" else 0.25),
+            slots=self.slots,
+            max_len=self.max_len,
+            block_schedule=self.block_schedule,
+            prefill_bucket=self.prefill_bucket,
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
@@ -161,43 +138,19 @@ class ChatTTSEngine:
             cuda_graphs=options.get("cuda_graphs", True),
             step_runner=step_runner,
         )
+        self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
         self._prepared = False
         self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
-        self._info = EngineInfo(
-            name="chattts",
-            voices=("default",),
-            samples_per_token=SAMPLES_PER_TOKEN,
+        self._info = engine_info(
+            loaded,
+            self._batch,
+            device=device,
+            dtype=dtype,
             refine=self.prompts.limits.refine_tokens > 0,
-            # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
-            voice_encoder=file_identity(loaded.model_dir / "asset" / "DVAE.safetensors")
-            if voice_seconds > 0
-            else None,
-            extra=self._extra(),
+            voices_from_recordings=voice_seconds > 0,
         )
-        log.info(
-            "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
-            *(self._info.extra[k] for k in ("kv_slots", "kv_max_len")),
-            self.kv_cache_bytes / 2**20,
-            self._info.extra["dtype"],
-            *(self._info.extra[k] for k in ("token_step", "batch_buckets")),
-        )
-        if loaded.random_weights:
-            log.warning(
-                "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
-                loaded.model_dir,
-            )
-
-    def _extra(self) -> dict[str, str]:
-        return {
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "model_dir": str(self._loaded.model_dir),
-            "random_weights": "true" if self._loaded.random_weights else "false",
-            "weights": self._loaded.weights,
-            **self._batch.describe(),
-        }
 
     @classmethod
     def load(
@@ -300,9 +253,7 @@ class ChatTTSEngine:
             return
         if not self._info.refine:
             raise EngineError("refinement is off on this server (--refine-max-tokens 0)")
-        self._refining[request.seq_id] = request
-        refine = RefineRow(model_text, request.params.refine_prompt, _seed_of(request))
-        self._refine_queue.add(request.seq_id, refine)
+        self._refining.add(request, RefineRow(model_text, request.params.refine_prompt, _seed_of(request)))
 
     def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
         """The engine's state of a sequence whose prompt reads ``model_text``."""
@@ -326,8 +277,7 @@ class ChatTTSEngine:
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
-        if self._refining.pop(seq_id, None) is not None:
-            self._refine_queue.drop(seq_id)
+        self._refining.drop(seq_id)
         row = self._seqs.pop(seq_id, None)
         if row is not None:
             self._batch.release(row)
@@ -357,9 +307,8 @@ class ChatTTSEngine:
         """One block of refinement for these sequences; the finished ones get their speech prompt."""
         if not seq_ids:
             return
-        for seq_id, refined in self._refine_queue.advance(seq_ids, self.refiner, self.refine_params).items():
-            request = self._refining.pop(seq_id)
-            self._seqs[seq_id] = self._row(request, refined, refined=True)
+        for request, refined in self._refining.advance(seq_ids, self.refiner, self.refine_params):
+            self._seqs[request.seq_id] = self._row(request, refined, refined=True)
 
     def empty_cache(self) -> None:
         """Return cached accelerator memory (the scheduler calls it after an OOM)."""
@@ -367,11 +316,8 @@ class ChatTTSEngine:
             torch.cuda.empty_cache()
 
     def prefill_length(self, prompt_tokens: int) -> int:
-        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
-
-        Never past the last position of a slot; never shorter than the prompt itself.
-        """
-        return max(prompt_tokens, min(round_up(prompt_tokens, self.prefill_bucket), self.max_len - 1))
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        return self._batch.prefill_length(prompt_tokens)
 
     def _prefill(self, row: Row) -> None:
         """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
@@ -379,20 +325,7 @@ class ChatTTSEngine:
         if row.speaker is not None:  # None: a voice from a recording ([empty_spk] + its codes)
             spk_ids = self._chat.tokenizer.spk_emb_ids
             self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
-        self._batch.prefill(row, self._pad_prompt(emb), int(emb.shape[1]))
-
-    def _pad_prompt(self, emb: torch.Tensor) -> torch.Tensor:
-        """Right-pad ``(1, n, hidden)`` prompt embeddings to their bucket.
-
-        Every distinct prefill length costs the CPU kernels (oneDNN primitives, allocator pools)
-        memory that is never given back: one shape per prompt length made RSS climb by about
-        2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
-        """
-        n = int(emb.shape[1])
-        length = self.prefill_length(n)
-        if length == n:
-            return emb
-        return torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
+        self._batch.prefill(row, emb)
 
     def _step(self, rows: list[Row]) -> list[StepResult]:
         for row in rows:
@@ -424,7 +357,7 @@ class ChatTTSEngine:
             with torch.inference_mode():
                 # Without buckets (1) every length is its own shape: too many to warm, so none are.
                 if self.prefill_bucket > 1:
-                    self._warm_prefill_buckets()
+                    self._batch.warm_prefill(self.longest_prompt, self.device)
                 self._batch.runner.prepare(self.step_shapes())
                 if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
                     self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
@@ -443,11 +376,6 @@ class ChatTTSEngine:
         finally:
             self.drop(_WARMUP_ID)
 
-    def _warm_prefill_buckets(self) -> None:
-        """Prefill once at every bucket length up to the longest prompt's (:meth:`PromptBuilder.longest`)."""
-        longest = self.prefill_length(self.longest_prompt)
-        self._batch.warm_prefill(range(self.prefill_bucket, longest + 1, self.prefill_bucket), self.device)
-
     def memory_allocated(self) -> int:
         """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
         return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
@@ -455,8 +383,7 @@ class ChatTTSEngine:
     def close(self) -> None:
         """Release every sequence, the KV slots, the captured graphs and the model."""
         self._seqs.clear()
-        for seq_id in list(self._refining):
-            self.drop(seq_id)
+        self._refining.clear()
         for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
             if hasattr(self._chat, name):
                 delattr(self._chat, name)

@@ -19,7 +19,8 @@ from its own generator (reproducible with a seed, independent of the batch).
 
 It costs about one GPT step per output token (up to ``max_new_tokens``, 384 by default), so
 it adds to the time to first audio; it is opt-in (``refine: true``). A refinement is a
-:class:`RefineJob` that runs a few tokens at a time: the engine's :class:`RefineQueue` starts
+:class:`RefineJob` that runs a few tokens at a time: the engine's
+:class:`server.engine.chattts_refining.RefineQueue` starts
 one job for the sequences that begin refining in the same step (one batch) and advances every
 job by one block per engine step, between the other streams' token blocks, so a long
 refinement never stalls the streams that are already speaking. Anything with a
@@ -32,8 +33,8 @@ Only ``server/engine/chattts*.py`` import torch; this is one of them.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -277,81 +278,3 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     token = (cdf <= uniforms.to(cdf.dtype) * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
     allowed = probs.gather(1, token.unsqueeze(1)).squeeze(1) > 0
     return torch.where(allowed, token, probs.argmax(dim=-1))
-
-
-@dataclass(eq=False)
-class _Running:
-    job: RefineJob
-    seq_ids: list[int]
-    rows: list[RefineRow]
-
-
-@dataclass
-class RefineQueue:
-    """The engine's sequences that wait for their refinement, and the jobs refining them.
-
-    Sequences that begin in the same engine step share one job (one batch); every job that
-    holds a sequence named in a step advances by ``block_tokens`` tokens in that step.
-
-    Attributes:
-        block_tokens: tokens each job generates per engine step.
-    """
-
-    block_tokens: int
-    _waiting: dict[int, RefineRow] = field(default_factory=dict)
-    _running: list[_Running] = field(default_factory=list)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._waiting or any(seq_id in r.seq_ids for r in self._running)
-
-    def __len__(self) -> int:
-        return len(self._waiting) + sum(len(r.seq_ids) for r in self._running)
-
-    def add(self, seq_id: int, row: RefineRow) -> None:
-        """A sequence to refine; it starts in the next step that names it."""
-        self._waiting[seq_id] = row
-
-    def drop(self, seq_id: int) -> None:
-        """Forget a sequence (no-op when unknown); its job goes on without it, or ends."""
-        if self._waiting.pop(seq_id, None) is not None:
-            return
-        for running in self._running:
-            if seq_id in running.seq_ids:
-                keep = [i for i, s in enumerate(running.seq_ids) if s != seq_id]
-                if keep:
-                    running.job.keep(keep)
-                    running.seq_ids = [running.seq_ids[i] for i in keep]
-                    running.rows = [running.rows[i] for i in keep]
-                else:
-                    self._running.remove(running)
-                return
-
-    def advance(self, seq_ids: Iterable[int], refiner: Refiner, params: RefineParams) -> dict[int, str]:
-        """One engine step's share of refinement for the named sequences.
-
-        Returns:
-            The refined text of every sequence whose refinement ended in this step.
-
-        Raises:
-            Exception: whatever the refiner raised; the job's sequences wait to start again.
-        """
-        named = set(seq_ids)
-        new = [seq_id for seq_id in self._waiting if seq_id in named]
-        if new:
-            rows = [self._waiting[s] for s in new]
-            job = refiner.start(rows, params)
-            for seq_id in new:
-                del self._waiting[seq_id]
-            self._running.append(_Running(job, new, rows))
-        finished: dict[int, str] = {}
-        for running in [r for r in self._running if named.intersection(r.seq_ids)]:
-            try:
-                done = running.job.advance(self.block_tokens)
-            except Exception:
-                self._running.remove(running)  # restarted from its prompt (same seeds) next time
-                self._waiting.update((s, row) for s, row in zip(running.seq_ids, running.rows, strict=True))
-                raise
-            if done:
-                self._running.remove(running)
-                finished.update(zip(running.seq_ids, running.job.texts(), strict=True))
-        return finished
