@@ -22,11 +22,10 @@ import soundfile
 from openai import AsyncOpenAI
 
 from server.app import App
-from server.audio.pcm import to_pcm16
-from server.engine.base import SequenceRequest, SynthesisParams, VoiceSample
-from server.engine.fake import FAKE_VOICE_ENCODER, expected_audio
-from server.text import split_segments
+from server.engine.base import VoiceSample
+from server.engine.fake import FAKE_VOICE_ENCODER
 from tests.integration.test_http_speech import assert_openai_error, base_url
+from tests.integration.test_refine import expected
 from tests.wsclient import collect, open_client, start
 
 TEXT = "用我的声音说这句话。And this one too."
@@ -82,12 +81,7 @@ async def listed(app: App) -> dict[str, dict[str, Any]]:
 
 def expected_pcm(text: str, voice: str, sample: VoiceSample | None, seed: int) -> bytes:
     """The fake engine's stream of ``text`` in ``voice`` (from its definition of audio)."""
-    params = SynthesisParams(voice=voice, seed=seed, reference=sample)
-    parts = [
-        expected_audio(SequenceRequest(seq_id=0, text=seg, params=params, seed_offset=k))
-        for k, seg in enumerate(split_segments(text))
-    ]
-    return to_pcm16(np.concatenate(parts)).tobytes()
+    return expected(text, seed, voice=voice, reference=sample)
 
 
 async def ws_stream(app: App, **fields: Any) -> Any:
