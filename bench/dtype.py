@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from bench.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.machine import describe_machine
 from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.chattts import ChatTTSEngine
@@ -107,23 +108,13 @@ def first_divergence(reference: torch.Tensor, other: torch.Tensor) -> int | None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument(
-        "--make-model", action="store_true", help="write a full-size dev model there if missing"
-    )
-    parser.add_argument("--device", default="cpu")
+    parser = engine_parser(__doc__)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fidelity-tokens", type=int, default=96)
     parser.add_argument("--fidelity-cases", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, help="path without suffix: writes .json and .md")
-    parser.add_argument("--render", action="store_true", help="only rewrite OUT.md from OUT.json")
     args = parser.parse_args()
     if args.render:
         report = json.loads(args.out.with_suffix(".json").read_text())
@@ -131,12 +122,7 @@ def main() -> None:
         batches = [int(b) for b in report["throughput"][dtypes[0]]]
         args.out.with_suffix(".md").write_text(render(report, dtypes, batches))
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.make_model and not (args.model_dir / "DEV_MODEL.json").is_file():
-        from server.engine.chattts_devmodel import make_dev_model
-
-        make_dev_model("full", args.model_dir)
+    prepare(args)
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     tokens = args.tokens
@@ -155,12 +141,12 @@ def main() -> None:
     gc.collect()
     fidelity = measure_fidelity(args, dtypes)
     report = {
-        "command": "python -m bench.dtype " + " ".join(_argv()),
+        "command": command("bench.dtype"),
         "machine": describe_machine(),
         "shared_machine": "yes: other jobs ran on the same cores; ratios come from interleaved rounds",
         "torch_threads": torch.get_num_threads(),
         "tokens_per_sequence": tokens,
-        "model": _model_kind(args.model_dir),
+        "model": model_kind(args.model_dir),
         "throughput": {
             d: {
                 str(b): {
@@ -203,30 +189,9 @@ def measure_fidelity(args: argparse.Namespace, dtypes: list[str]) -> dict[str, A
     return out
 
 
-def _model_kind(model_dir: Path) -> str:
-    manifest = model_dir / "DEV_MODEL.json"
-    if manifest.is_file():
-        return f"random weights, make_dev_model('{json.loads(manifest.read_text())['size']}')"
-    return f"weights in {model_dir}"
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
-
-
 def render(report: dict[str, Any], dtypes: list[str], batches: list[int]) -> str:
-    m = report["machine"]
     lines = [
-        "# `--dtype`: speed and fidelity",
-        "",
-        f"Command: `{report['command']}`",
-        "",
-        f"Machine: {m.get('cpu_model')} ({m.get('cpu_cores')} cores), torch {m['versions'].get('torch')}, "
-        f"{report['torch_threads']} torch threads, GPUs: {m.get('gpus') or 'none'}, "
-        f"load average at start {m.get('loadavg_at_start')}. Shared: {report['shared_machine']}.",
-        "",
+        *report_header("`--dtype`: speed and fidelity", report),
         f"Model: {report['model']}; {report['tokens_per_sequence']} audio tokens "
         "per sequence (EOS banned), prefill + token blocks + incremental decode as the server runs them.",
         "",

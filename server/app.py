@@ -29,6 +29,7 @@ from server.http_api import HttpApi
 from server.metrics import Metrics
 from server.routes import STREAM_PATH, Probes, Routes
 from server.service import SpeechService
+from server.voices import settings_problem
 from server.warmup import warm_up
 from server.wyoming_api import WyomingServer, exposure_problem
 
@@ -45,7 +46,10 @@ def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
         from server.engine.fake import FakeEngine
 
         return lambda: FakeEngine(
-            step_base_s=settings.fake_step_ms / 1000, step_per_row_s=settings.fake_row_ms / 1000
+            step_base_s=settings.fake_step_ms / 1000,
+            step_per_row_s=settings.fake_row_ms / 1000,
+            refine=settings.refine_max_tokens > 0,
+            voices=settings.voice_max_seconds > 0,
         )
     from server.engine.loading import chattts_engine_factory
 
@@ -92,13 +96,14 @@ class App:
     async def start(self) -> None:
         """Start up; on any failure, undo what was started and raise.
 
-        1. Read the API keys (``--api-keys-file``); refuse an unauthenticated Wyoming
-           port on a public interface while keys are set.
+        1. Read the API keys (``--api-keys-file``); check the voice settings; refuse an
+           unauthenticated Wyoming port on a public interface while keys are set.
         2. Bind the WebSocket, HTTP and Wyoming ports, so that a busy port fails
            before minutes of model loading (nothing is accepted yet).
         3. Load the engine on the inference thread; its warm-up follows there.
-        4. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
-        5. Serve WebSocket, HTTP and Wyoming on the bound sockets.
+        4. Read the voices made from recordings (``--voices-dir``) that this engine's weights made.
+        5. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
+        6. Serve WebSocket, HTTP and Wyoming on the bound sockets.
 
         Raises:
             StartupError: one line naming the cause and the flag.
@@ -106,13 +111,15 @@ class App:
         s = self.settings
         try:
             self._gate = AccessGate.from_settings(s)
-            problem = exposure_problem(s, self._gate.api_keys.required)
-            if problem is not None:
+            if (problem := settings_problem(s)) is not None:
+                raise StartupError(problem)
+            if (problem := exposure_problem(s, self._gate.api_keys.required)) is not None:
                 raise StartupError(problem)
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
             wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
             info = await self.engine_client.start()
+            await self._load_voices(info)
             self._info = server_info(s, info)
             self.metrics.engine.info({"name": info.name, **info.extra})
             self.service.start()
@@ -138,6 +145,20 @@ class App:
             await self.stop()
             raise
         log.info("listening on ws://%s:%d%s", s.host, self.port, STREAM_PATH)
+
+    async def _load_voices(self, info: EngineInfo) -> None:
+        """The voices from recordings that this engine's encoder made (others are skipped, logged).
+
+        Raises:
+            StartupError: the folder cannot be read.
+        """
+        voices = self.service.voices
+        try:
+            await voices.load(info.voice_encoder)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot read --voices-dir {voices.store.folder}: {exc.strerror or exc}"
+            ) from None
 
     async def stop(self) -> None:
         """Shut down (also after a failed start), in order.

@@ -1,8 +1,9 @@
 """A byte-bounded LRU cache of finished deterministic streams (requests with a ``seed``).
 
 A hit replays the stored frames at once, without the model. The key covers
-everything that changes the audio: the text as segmented, voice, speed, seed,
-sampling controls, output format and rate, and the engine's identity.
+everything that changes the audio: the text as segmented, voice (and a recording
+voice's content), speed, seed, sampling controls, refinement, output format and
+rate, and the engine's identity.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ class CachedStream:
     size: int
 
 
-def cache_key(msg: SpeechRequest, segments: Sequence[str], engine_identity: str) -> str | None:
-    """The cache key of a request, or None when its audio is not reproducible (no seed)."""
+def cache_key(
+    msg: SpeechRequest, segments: Sequence[str], engine_identity: str, voice_digest: str = ""
+) -> str | None:
+    """The cache key of a request, or None when its audio is not reproducible (no seed).
+
+    ``voice_digest`` names the content of a voice from a recording (its id alone could be
+    reused by another recording).
+    """
     if msg.seed is None or msg.incremental:
         return None
     parts = [
@@ -39,6 +46,8 @@ def cache_key(msg: SpeechRequest, segments: Sequence[str], engine_identity: str)
         repr(msg.top_k),
         msg.format,
         str(msg.sample_rate),
+        f"refine={msg.refine}:{msg.refine_prompt}",
+        voice_digest,
     ]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 

@@ -77,6 +77,24 @@ class Settings:
     segment_max_tokens: int = _opt(
         2048, "audio tokens one text segment may generate (46.9 per second); sizes the KV cache"
     )
+    refine_max_tokens: int = _opt(
+        384,
+        "refine: true runs ChatTTS's text refinement before each segment's speech: at most this many "
+        "tokens, one block per engine step (adds to time to first audio); sizes the KV cache; 0: off",
+    )
+    voices_dir: str = _opt(
+        "", "folder of the voices made from recordings (POST /v1/audio/voices); empty: <cache dir>/voices"
+    )
+    voices_max: int = _opt(100, "voices the voices folder holds at most; uploads over it are refused")
+    voices_max_bytes: int = _opt(
+        64 * 1024 * 1024, "bytes the voices folder holds at most; uploads over it are refused"
+    )
+    voice_max_seconds: float = _opt(
+        10.0,
+        "longest recording a voice is made from (at most 30); its codes (47 a second) are part of every "
+        "prompt in that voice and size the KV cache; 0: voice uploads off",
+    )
+    voice_upload_max_bytes: int = _opt(10 * 1024 * 1024, "largest recording upload (POST /v1/audio/voices)")
     cuda_graphs: str = _opt(
         "on", "capture the token step as CUDA graphs in warm-up (CUDA devices only)", choices=("on", "off")
     )

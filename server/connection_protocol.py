@@ -100,7 +100,7 @@ class ConnectionProtocol:
 
     def hello(self) -> str:
         """The first message."""
-        return protocol.hello(self._info)
+        return protocol.hello(self._info, self._service.voice_names())
 
     @property
     def attached(self) -> dict[str, Attachment]:

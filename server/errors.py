@@ -62,5 +62,13 @@ class ResumeExpired(ServiceError):
     """Frames the client still needs were evicted from the replay buffer."""
 
 
+class NotFound(ServiceError):
+    """No voice (or other named thing) with this id is held here."""
+
+
+class LimitReached(ServiceError):
+    """A bounded store is full (the voices folder); delete something first."""
+
+
 class StartupError(Exception):
     """The server cannot start; the message is one line naming the cause and the flag to change."""

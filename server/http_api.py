@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 import socket
 import struct
@@ -28,9 +27,11 @@ from aiohttp.typedefs import Handler
 from server.config import Settings
 from server.errors import ServiceError
 from server.frontend import OPENAI_VOICES, AccessDenied, AccessGate, ServerInfo
+from server.http_common import CLIENT, error_response, service_error
+from server.http_voices import VoicesApi
 from server.metrics import Metrics
 from server.outbox import Failure, Frame, OutItem
-from server.protocol import Seed, Temperature, TopK, TopP, code_of
+from server.protocol import RefinePrompt, Seed, Temperature, TopK, TopP, code_of
 from server.request import SpeechRequest
 from server.service import SpeechService
 from server.stream import Lease, Stream
@@ -54,11 +55,6 @@ MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
 OPENAI_SPEED: Final = (0.25, 4.0)
 OUR_SPEED: Final = (0.5, 2.0)
-#: The client's rate-limit identity, set by the access gate.
-CLIENT: Final = web.RequestKey("client", str)
-#: Our wire codes → HTTP status (the ``code`` of the error body stays ours).
-STATUS: Final = dict(bad_request=400, text_too_long=400, unsupported=400, rate_limited=429, overloaded=429)
-STATUS.update(shutting_down=503, engine_error=500, internal=500)
 
 
 class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
@@ -82,6 +78,8 @@ class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):
     top_p: TopP | None = None
     top_k: TopK | None = None
     sample_rate: int | None = None  # extension: 16000, 24000 or 48000
+    refine: bool = False  # extension: ChatTTS's refinement pass first
+    refine_prompt: RefinePrompt = ""  # extension: its controls, "[oral_2][laugh_0][break_6]"
 
 
 _decoder: Final = msgspec.json.Decoder(SpeechBody)
@@ -93,20 +91,6 @@ def wav_header(sample_rate: int) -> bytes:
     fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
     unknown = struct.pack("<I", 0xFFFFFFFF)
     return b"RIFF" + unknown + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + unknown
-
-
-def error_response(
-    status: int, code: str, message: str, *, param: str | None = None, retry_after_ms: int | None = None
-) -> web.Response:
-    """A JSON error in OpenAI's shape; ``Retry-After`` (seconds) when retrying may help."""
-    kind = (
-        "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
-    )
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    headers = {"Cache-Control": "no-store"}
-    if retry_after_ms is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_ms / 1000)))
-    return web.json_response(body, status=status, headers=headers)
 
 
 def _param_of(text: str) -> str | None:
@@ -156,6 +140,7 @@ class HttpApi:
         web_app.router.add_post("/v1/audio/speech", self.speech)
         web_app.router.add_get("/v1/models", self.models)
         web_app.router.add_get("/v1/audio/voices", self.voices)
+        VoicesApi(self.service, self.settings, self.metrics).add_routes(web_app)
         # handler_cancellation: a client that disconnects cancels its handler at once, even
         # while the handler waits for audio, so its generation stops within one block.
         self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -194,9 +179,12 @@ class HttpApi:
         return web.json_response({"object": "list", "data": data})
 
     async def voices(self, request: web.Request) -> web.Response:
-        """``GET /v1/audio/voices``: OpenAI names (with what they map to) and the engine's voices."""
-        data = [{"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()]
+        """``GET /v1/audio/voices``: OpenAI names (what they map to), the engine's, those from recordings."""
+        data: list[dict[str, object]] = [
+            {"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()
+        ]
         data += [{"id": v, "voice": v} for v in self.info.voices]
+        data += [{**v.describe(), "voice": v.id} for v in self.service.voices.all()]
         return web.json_response(
             {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
         )
@@ -232,9 +220,7 @@ class HttpApi:
             self.service.abandon(stream)
 
     def _service_error(self, exc: ServiceError) -> web.Response:
-        code = code_of(exc)
-        self.metrics.errors.labels(code=code).inc()
-        return error_response(STATUS.get(code, 500), code, exc.message, retry_after_ms=exc.retry_after_ms)
+        return service_error(exc, self.metrics)
 
     async def _send_audio(
         self, request: web.Request, stream: Stream, lease: Lease, content_type: str
@@ -329,4 +315,6 @@ def _request_of(body: SpeechBody, fmt: str) -> SpeechRequest:
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        refine=body.refine,
+        refine_prompt=body.refine_prompt,
     )

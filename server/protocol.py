@@ -38,6 +38,8 @@ Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=5.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=1, le=1000)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+#: ``[oral_N][laugh_N][break_N]`` at most (the service checks the tags themselves).
+RefinePrompt = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class ProtocolError(Exception):
@@ -80,6 +82,8 @@ CODES: Final[dict[type[errors.ServiceError], str]] = {
     errors.EngineUnavailable: "internal",
     errors.UnknownStream: "unknown_stream",
     errors.ResumeExpired: "resume_expired",
+    errors.NotFound: "not_found",
+    errors.LimitReached: "limit_reached",
 }
 
 
@@ -120,6 +124,8 @@ class Start(_Message, tag="start", frozen=True):
     top_k: TopK | None = None
     incremental: bool = False
     max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] | None = None
+    refine: bool = False
+    refine_prompt: RefinePrompt = ""
 
 
 class Cancel(_Message, tag="cancel", frozen=True):
@@ -209,6 +215,8 @@ def speech_request(msg: Start) -> SpeechRequest:
         top_k=msg.top_k,
         incremental=msg.incremental,
         max_buffer_delay_ms=msg.max_buffer_delay_ms,
+        refine=msg.refine,
+        refine_prompt=msg.refine_prompt,
     )
 
 
@@ -222,8 +230,12 @@ def encode(message: dict[str, Any]) -> str:
     return _encoder.encode(message).decode("utf-8")
 
 
-def hello(info: ServerInfo) -> str:
-    """The first message on every connection (``weights`` when the engine says what it loaded)."""
+def hello(info: ServerInfo, voices: tuple[str, ...] | None = None) -> str:
+    """The first message on every connection (``weights`` when the engine says what it loaded).
+
+    ``voices``: the voice names now (voices made from recordings come and go); default
+    ``info.voices``.
+    """
     message: dict[str, Any] = {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
@@ -231,7 +243,7 @@ def hello(info: ServerInfo) -> str:
         "sample_rate": info.sample_rate,
         "sample_rates": list(info.sample_rates),
         "formats": list(info.formats),
-        "voices": list(info.voices),
+        "voices": list(info.voices if voices is None else voices),
         "max_text_chars": info.max_text_chars,
         "max_streams": info.max_streams,
         "resume_ttl_s": info.resume_ttl_s,

@@ -15,6 +15,8 @@ class SpeechRequest:
         name: the client's id for the stream, echoed in its replies.
         text: the text; may be None (or partial) when ``incremental``.
         incremental: more text comes with ``append`` until ``end``.
+        refine: run the model's refinement pass on each segment first.
+        refine_prompt: its sentence-level controls (``[oral_2][laugh_0][break_6]``).
     """
 
     name: str
@@ -29,6 +31,8 @@ class SpeechRequest:
     top_k: int | None = None
     incremental: bool = False
     max_buffer_delay_ms: float | None = None
+    refine: bool = False
+    refine_prompt: str = ""
 
     @property
     def params(self) -> SynthesisParams:
@@ -41,4 +45,6 @@ class SpeechRequest:
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else self.top_k,
+            refine=self.refine,
+            refine_prompt=self.refine_prompt,
         )

@@ -12,6 +12,7 @@ them to its own wire codes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from server.audio.base import FrameEncoder
 from server.cache import ResponseCache, cache_key
 from server.config import Settings
 from server.core.client import EngineClient, GenerateRequest, Generation
+from server.engine.base import SynthesisParams
 from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
 from server.incremental import TextFeed
 from server.limits import ClientLimiter
@@ -31,7 +33,9 @@ from server.registry import StreamRegistry
 from server.request import SpeechRequest
 from server.stream import Lease, Stream, StreamState, new_stream_token, redact
 from server.tags import problem as tag_problem
+from server.tags import refine_prompt_problem
 from server.text import TextBuffer, has_speakable, split_segments
+from server.voices import VoiceLibrary
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
@@ -66,6 +70,12 @@ class SpeechService:
             burst=settings.rate_limit_burst,
             max_connections=settings.max_connections_per_client,
         )
+        #: Voices made from recordings (``POST /v1/audio/voices``), by id.
+        self.voices = VoiceLibrary(settings, engine)
+
+    def voice_names(self) -> tuple[str, ...]:
+        """Every voice name a stream may use: the engine's, then those made from recordings."""
+        return (*self.engine.info.voices, *(v.id for v in self.voices.all()))
 
     # --- admission -------------------------------------------------------------------------
 
@@ -102,23 +112,13 @@ class SpeechService:
             replay_max_s=s.replay_max_s,
             replay_max_bytes=s.replay_max_bytes,
         )
-        generation: Generation | None = None
+        generation: Generation | None
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
         if request.incremental:
             generation, text_feed = self._start_incremental(request)
         else:
-            segments = self._segments(request)
-            key = cache_key(request, segments, self._engine_identity) if self.cache is not None else None
-            cached = self.cache.get(key) if self.cache is not None and key is not None else None
-            if cached is not None:
-                outbox.load(cached.items)  # a hit: every frame is ready now, no model work
-                self.metrics.cache_hits.inc()
-            else:
-                if key is not None:
-                    self.metrics.cache_misses.inc()
-                    on_complete = self._storer(key)
-                generation = self.engine.generate(GenerateRequest(segments=segments, params=request.params))
+            generation, on_complete = self._start_whole(request, outbox)
         stream = Stream(
             name=request.name,
             token=new_stream_token(route),
@@ -137,6 +137,28 @@ class SpeechService:
         if generation is not None:
             self._own(asyncio.create_task(stream.run(), name=f"stream-{redact(stream.token)}"))
         return stream
+
+    def _start_whole(
+        self, request: SpeechRequest, outbox: Outbox
+    ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
+        """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
+        segments = self._segments(request)
+        key: str | None = None
+        if self.cache is not None:
+            stored = self.voices.get(request.voice)
+            digest = stored.sample.digest if stored is not None else ""
+            key = cache_key(request, segments, self._engine_identity, digest)
+        cached = self.cache.get(key) if self.cache is not None and key is not None else None
+        if cached is not None:
+            outbox.load(cached.items)  # a hit: every frame is ready now, no model work
+            self.metrics.cache_hits.inc()
+            return None, None
+        on_complete = None
+        if key is not None:
+            self.metrics.cache_misses.inc()
+            on_complete = self._storer(key)
+        generation = self.engine.generate(GenerateRequest(segments=segments, params=self._params(request)))
+        return generation, on_complete
 
     def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
         """The stream's encoder; checks text size, control tags, format, rate and voice first."""
@@ -160,9 +182,20 @@ class SpeechService:
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise Unsupported(str(exc)) from None
-        if not self.engine.validate_voice(request.voice):
+        if self.voices.get(request.voice) is None and not self.engine.validate_voice(request.voice):
             raise Unsupported(f"unknown voice {request.voice!r}")
+        if request.refine and not self.engine.info.refine:
+            raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")
+        if (problem := refine_prompt_problem(request.refine_prompt)) is not None:
+            raise InvalidRequest(problem)
         return encoder
+
+    def _params(self, request: SpeechRequest) -> SynthesisParams:
+        """The request's synthesis parameters; a voice from a recording travels with them."""
+        stored = self.voices.get(request.voice)
+        if stored is None:
+            return request.params
+        return dataclasses.replace(request.params, reference=stored.sample)
 
     def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
         max_chars = self.settings.segment_max_chars
@@ -178,7 +211,7 @@ class SpeechService:
         buffer = TextBuffer(max_chars=s.segment_max_chars)
         first = tuple(buffer.append(text))
         generation = self.engine.generate(
-            GenerateRequest(segments=first, params=request.params, incremental=True)
+            GenerateRequest(segments=first, params=self._params(request), incremental=True)
         )
         delay_ms = (
             s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms

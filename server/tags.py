@@ -120,3 +120,30 @@ def safe_cut(text: str, cut: int) -> int:
         if start < cut < end:
             return start if start > 0 else end
     return cut
+
+
+#: What the refinement prompt (``refine_prompt``) may hold: ChatTTS's sentence-level controls.
+REFINE_PROMPT_TAGS: Final = ("oral", "laugh", "break")
+
+
+def refine_prompt_problem(prompt: str) -> str | None:
+    """Why ``prompt`` is not a refinement prompt (``[oral_2][laugh_0][break_6]``), or ``None``.
+
+    ChatTTS writes it after ``[Pbreak]`` as is; only its numbered sentence-level controls, each
+    at most once, mean anything there.
+    """
+    rest = TAG.sub("", prompt)
+    if rest.strip():
+        text = _echo(rest.strip())
+        return f"refine_prompt may only hold tags such as [oral_2][laugh_0][break_6], not {text!r}"
+    seen: set[str] = set()
+    for tag in TAG.findall(prompt):
+        stem, _, number = tag[1:-1].rpartition("_")
+        if stem not in REFINE_PROMPT_TAGS or not number.isdigit():
+            return f"refine_prompt takes [oral_0-9], [laugh_0-2] and [break_0-7], not {_echo(tag)}"
+        if tag not in ALLOWED:
+            return _unknown(tag)
+        if stem in seen:
+            return f"refine_prompt sets [{stem}_N] twice"
+        seen.add(stem)
+    return None

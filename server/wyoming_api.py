@@ -221,7 +221,7 @@ class WyomingServer:
         self.service = service
         self.settings = settings
         self.metrics = metrics
-        self._info = wyoming_info(info)
+        self._server_info = info
         self._seed = settings.wyoming_seed if settings.wyoming_seed >= 0 else None
         self._server: asyncio.Server | None = None
         self._connections: dict[WyomingConnection, asyncio.Task[None]] = {}
@@ -268,7 +268,7 @@ class WyomingServer:
             return
         session = WyomingSession(
             self.service,
-            self._info,
+            wyoming_info(self._server_info, self.service.voice_names()),  # recordings' voices too
             client=client,
             seed=self._seed,
             abort=lambda reason: conn.abort(reason),

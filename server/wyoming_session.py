@@ -77,9 +77,13 @@ class Close:
 Action = Write | Deliver | Close
 
 
-def wyoming_info(info: ServerInfo) -> Info:
-    """The ``info`` answer to ``describe``: our voices (OpenAI's names too), zh and en, streaming."""
-    names = dict.fromkeys([*info.voices, *OPENAI_VOICES])
+def wyoming_info(info: ServerInfo, voice_names: tuple[str, ...] | None = None) -> Info:
+    """The ``info`` answer to ``describe``: our voices (OpenAI's names too), zh and en, streaming.
+
+    ``voice_names``: the voice names now (voices made from recordings come and go); default
+    ``info.voices``.
+    """
+    names = dict.fromkeys([*(info.voices if voice_names is None else voice_names), *OPENAI_VOICES])
     voices = [
         TtsVoice(
             name=name,

@@ -36,6 +36,7 @@ from server.core.events import (
     Cancel,
     Capacity,
     CoreEvent,
+    EncodeVoice,
     Ended,
     EndInput,
     Loaded,
@@ -44,10 +45,11 @@ from server.core.events import (
     SegmentStarted,
     Stopped,
     StreamEvent,
+    VoiceEncoded,
 )
 from server.core.policy import STOPPED_MESSAGE, PolicyConfig, refusal
-from server.engine.base import Engine, EngineInfo, SynthesisParams
-from server.errors import EngineUnavailable, Overloaded, StartupError
+from server.engine.base import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
+from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
 from server.metrics import Metrics
 
 #: ``healthy`` turns False when the inference thread has not been heard of for this long.
@@ -135,6 +137,7 @@ class EngineClient:
         self._loaded: asyncio.Future[EngineInfo] | None = None
         self._ready = asyncio.Event()
         self._generations: dict[int, Generation] = {}
+        self._encodes: dict[int, asyncio.Future[VoiceEncoded]] = {}
         self._ids = itertools.count()
         self._adds_sent = 0
         self._capacity = Capacity(Admission(0, config.max_batch, 0.05, False), 0)
@@ -226,6 +229,32 @@ class EngineClient:
         self._count_queue()
         return generation
 
+    async def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """A recording's codes for a voice, made on the inference thread between two steps.
+
+        Args:
+            audio: mono float32 at the engine's sample rate (checked already).
+            transcript: what is said in it.
+
+        Raises:
+            InvalidRequest: the engine refused the recording or transcript (the message says why).
+            EngineFailed: the model failed.
+            EngineUnavailable: the inference loop is not running.
+        """
+        if self._stopped or self._thread is None or self._loop is None:
+            raise EngineUnavailable("the inference loop is not running")
+        request_id = next(self._ids)
+        future: asyncio.Future[VoiceEncoded] = self._loop.create_future()
+        self._encodes[request_id] = future
+        self._core.send(EncodeVoice(request_id, audio, transcript))
+        try:
+            answer = await future
+        finally:
+            self._encodes.pop(request_id, None)
+        if answer.codes is not None:
+            return answer.codes
+        raise (EngineFailed if answer.failed else InvalidRequest)(answer.message)
+
     def append(self, stream_id: int, text: str) -> None:
         """One more segment for an incremental stream."""
         self._core.send(Append(stream_id, text))
@@ -267,6 +296,10 @@ class EngineClient:
             elif isinstance(event, Capacity):
                 self._capacity = event
                 self._count_queue()
+            elif isinstance(event, VoiceEncoded):
+                future = self._encodes.get(event.request_id)
+                if future is not None and not future.done():
+                    future.set_result(event)
             elif isinstance(event, BreakerChanged):
                 self._breaker_open = event.open
             elif isinstance(event, Ready):
@@ -291,6 +324,9 @@ class EngineClient:
         for stream_id, generation in list(self._generations.items()):
             generation._push(Ended(stream_id, "error", STOPPED_MESSAGE))
         self._generations.clear()
+        for request_id, future in self._encodes.items():
+            if not future.done():
+                future.set_result(VoiceEncoded(request_id, None, STOPPED_MESSAGE, failed=True))
 
     def _count_queue(self) -> None:
         capacity = self._capacity

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from server.core.events import (
@@ -24,12 +25,17 @@ from server.core.events import (
     Capacity,
     Command,
     CoreEvent,
+    EncodeVoice,
     EndInput,
     Heartbeat,
     Loaded,
     LoadFailed,
     Ready,
     Stopped,
+    VoiceEncoded,
+)
+from server.core.policy import (
+    STOPPED_MESSAGE as STOPPED,
 )
 from server.core.policy import (
     Batch,
@@ -73,6 +79,7 @@ class EngineCore:
         self._clock = clock
         self._cond = threading.Condition()
         self._intake: list[Command] = []
+        self._encodes: deque[EncodeVoice] = deque()  # one runs per round, between steps
         self._stop = False
         self._adds_taken = 0
         self._published: Capacity | None = None
@@ -143,7 +150,9 @@ class EngineCore:
         if commands is None:
             return None
         events = [event for command in commands for event in self._apply(command)]
-        if events:  # acknowledgements (cancelled, completed) need not wait for the step
+        if self._encodes:
+            events.append(self._encode(engine, self._encodes.popleft()))
+        if events:  # acknowledgements (cancelled, completed, voices) need not wait for the step
             self._emit(events)
             events = []
         now = self._clock()
@@ -156,7 +165,7 @@ class EngineCore:
         self._publish(events)
         if self._clock() - self._last_emit >= HEARTBEAT_S:  # idle, or probing an open breaker
             self._emit([Heartbeat()])
-        if not batch.idle:
+        if not batch.idle or self._encodes:
             return 0.0
         if batch.wait_until is not None:
             return max(0.0, batch.wait_until - self._clock())
@@ -190,8 +199,23 @@ class EngineCore:
             return list(policy.end_input(command.stream_id))
         if isinstance(command, Cancel):
             return list(policy.cancel(command.stream_id))
+        if isinstance(command, EncodeVoice):
+            self._encodes.append(command)
+            return []
         self._stop = True  # Shutdown: commands after it are not taken
         return []
+
+    def _encode(self, engine: Engine, command: EncodeVoice) -> VoiceEncoded:
+        """A recording's codes (it blocks the loop for one encoder pass, like a step would)."""
+        try:
+            codes = engine.encode_voice(command.audio, command.transcript)
+        except ValueError as exc:
+            return VoiceEncoded(command.request_id, None, str(exc))
+        except Exception as exc:
+            log.error("encoding a voice failed: %r", exc)
+            self._metrics.engine_failures.labels(kind="error").inc()
+            return VoiceEncoded(command.request_id, None, "the model failed to encode the recording", True)
+        return VoiceEncoded(command.request_id, codes)
 
     def _run(self, engine: Engine, batch: Batch, events: list[CoreEvent]) -> Outcome:
         """Add the batch's new sequences and step it (or probe); returns what happened."""
@@ -269,6 +293,8 @@ class EngineCore:
         with self._cond:
             commands, self._intake = self._intake, []
         events = [event for command in commands for event in self._apply(command)]
+        events += [VoiceEncoded(c.request_id, None, STOPPED, True) for c in self._encodes]
+        self._encodes.clear()
         events += self._policy.stop()
         try:
             engine.close()

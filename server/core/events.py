@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from server.engine.base import AudioArray, EngineInfo, SynthesisParams
+from server.engine.base import AudioArray, Codes, EngineInfo, SynthesisParams
 
 #: Why a stream ended: all of it was generated, it was cancelled, or the engine failed.
 EndReason = Literal["complete", "cancelled", "error"]
@@ -52,12 +52,24 @@ class Cancel:
     stream_id: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class EncodeVoice:
+    """Make a voice's codes from a recording (mono float32 at the engine's rate) and its transcript.
+
+    Answered by :class:`VoiceEncoded`. The core runs at most one per round, between steps.
+    """
+
+    request_id: int
+    audio: AudioArray
+    transcript: str
+
+
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     """Stop the loop after the commands before this one (every stream left ends with an error)."""
 
 
-Command = Add | Append | EndInput | Cancel | Shutdown
+Command = Add | Append | EndInput | Cancel | EncodeVoice | Shutdown
 
 # --- per-stream events (core → event loop) ---------------------------------------------
 
@@ -148,6 +160,23 @@ class Capacity:
     adds_taken: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class VoiceEncoded:
+    """The answer to :class:`EncodeVoice`: the codes, or why the recording cannot make a voice.
+
+    Attributes:
+        request_id: the command's.
+        codes: ``(num_vq, T)`` codes; ``None`` when refused.
+        message: why it was refused (safe to show a client); empty on success.
+        failed: the engine itself failed (not the recording's fault).
+    """
+
+    request_id: int
+    codes: Codes | None
+    message: str = ""
+    failed: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """The idle loop is alive (sent about once a second when nothing else is)."""
@@ -158,4 +187,6 @@ class Stopped:
     """The loop has ended and the engine is closed."""
 
 
-CoreEvent = StreamEvent | Loaded | LoadFailed | Ready | BreakerChanged | Capacity | Heartbeat | Stopped
+CoreEvent = (
+    StreamEvent | Loaded | LoadFailed | Ready | BreakerChanged | Capacity | VoiceEncoded | Heartbeat | Stopped
+)

@@ -15,7 +15,9 @@ tests) and the ChatTTS engine.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -25,6 +27,8 @@ import numpy.typing as npt
 NATIVE_SAMPLE_RATE = 24_000
 
 AudioArray = npt.NDArray[np.float32]
+#: ``(num_vq, T)`` audio codes of a recording (ChatTTS's DVAE codes are below 1024).
+Codes = npt.NDArray[np.uint16]
 
 
 class EngineError(Exception):
@@ -37,17 +41,47 @@ class EngineOutOfMemory(EngineError):
     """The step ran out of accelerator memory; retrying with fewer rows may work."""
 
 
+@dataclass(frozen=True, eq=False)
+class VoiceSample:
+    """A voice taken from a recording, as every engine takes it: the recording's codes and transcript.
+
+    Travels inside :class:`SynthesisParams`, so a stream carries its own voice: deleting the
+    voice later changes no stream already started, and the engine keeps no registry of them.
+    Compared by identity (it holds an array); :attr:`digest` names its content.
+
+    Attributes:
+        codes: ``(num_vq, T)`` codes the engine's encoder made from the recording.
+        transcript: what is said in the recording, as the user wrote it (the engine puts it
+            through the same text pipeline as the spoken text).
+    """
+
+    codes: Codes
+    transcript: str
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of the codes (with their shape) and the transcript: the voice's content identity."""
+        h = hashlib.sha256(np.asarray(self.codes.shape, "<u4").tobytes())
+        h.update(np.ascontiguousarray(self.codes, "<u2").tobytes())
+        h.update(self.transcript.encode())
+        return h.hexdigest()
+
+
 @dataclass(frozen=True, kw_only=True)
 class SynthesisParams:
     """Everything besides the text that changes the audio of a sequence.
 
     Attributes:
-        voice: ``"default"``, ``"seed:<int>"`` or a ChatTTS speaker string.
+        voice: ``"default"``, ``"seed:<int>"``, a ChatTTS speaker string, or the name of
+            ``reference`` when that is set.
         speed: 0.5 to 2.0; the engine maps it to its nearest native control.
         seed: seeds the sequence's own random generator; ``None`` = random.
         temperature: sampling temperature.
         top_p: nucleus sampling threshold.
         top_k: top-k sampling cut-off.
+        refine: run the model's text refinement pass on each segment before its speech.
+        refine_prompt: the refinement's sentence-level controls (``[oral_2][laugh_0][break_6]``).
+        reference: speak in the voice of this recording (``voice`` is then only its name).
     """
 
     voice: str = "default"
@@ -56,6 +90,9 @@ class SynthesisParams:
     temperature: float = 0.3
     top_p: float = 0.7
     top_k: int = 20
+    refine: bool = False
+    refine_prompt: str = ""
+    reference: VoiceSample | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +142,11 @@ class EngineInfo:
     voices: tuple[str, ...] = ("default",)
     #: Audio samples one token decodes to (used to estimate throughput).
     samples_per_token: int = 512
+    #: The engine runs a text refinement pass when ``SynthesisParams.refine`` asks for it.
+    refine: bool = False
+    #: Identity of what :meth:`Engine.encode_voice` makes codes with (voices made under another
+    #: identity are not used); ``None``: the engine cannot make voices from recordings.
+    voice_encoder: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -138,6 +180,15 @@ class Engine(Protocol):
         Returns one result per id, in any order. Raises :class:`EngineError`
         (or any exception) to fail the whole step; the caller then drops the
         step's sequences, or for :class:`EngineOutOfMemory` retries with fewer.
+        """
+        ...
+
+    def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """Codes of a recording (mono float32 at :data:`NATIVE_SAMPLE_RATE`) for a :class:`VoiceSample`.
+
+        Raises:
+            ValueError: the recording or its transcript cannot make a voice; the message
+                says why and is safe to show a client.
         """
         ...
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import secrets
 from pathlib import Path
 from typing import Any, Unpack
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from server.engine.base import (
+    AudioArray,
+    Codes,
     EngineError,
     EngineInfo,
     EngineOutOfMemory,
@@ -43,18 +46,20 @@ from server.engine.base import (
 )
 from server.engine.chattts_assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts_batch import stream_key
-from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, SlotLayout, TokenTap
-from server.engine.chattts_decode import SAMPLES_PER_TOKEN, StreamDecoder, make_decode_fn
-from server.engine.chattts_reference import CodePrompt, code_prompt
-from server.engine.chattts_setup import EngineOptions, kv_length, resolve_device, resolve_dtype, round_up
+from server.engine.chattts_block import Row, RunnerFactory, SlotBatch, TokenTap
+from server.engine.chattts_decode import StreamDecoder, make_decode_fn
+from server.engine.chattts_prompt import PromptBuilder, PromptLimits
+from server.engine.chattts_refine import RefineParams, Refiner, RefineRow, TextRefiner
+from server.engine.chattts_refining import RefineQueue
+from server.engine.chattts_setup import EngineOptions, engine_info, kv_length, resolve_device, resolve_dtype
 from server.engine.chattts_text import ChatTTSText
-from server.engine.chattts_vocode import BatchVocoder
-from server.engine.chattts_voice import VoiceBank, speed_token
+from server.engine.chattts_voice import VoiceBank
 
 __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
+_NO_AUDIO = np.zeros(0, np.float32)
 
 
 class ChatTTSEngine:
@@ -90,44 +95,42 @@ class ChatTTSEngine:
         }
         self._llama = chat.gpt.gpt.to(dtype=dtype)
         cfg = self._llama.config
-        heads = int(cfg.num_attention_heads)
         self.hidden_size = int(cfg.hidden_size)
-        embed = chat.embed
-        self.num_vq, self.eos = int(embed.num_vq), int(embed.num_audio_tokens) - 1
-        with torch.inference_mode():
-            # Stacked once: weight_norm would recompute each head's weight on every call.
-            head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
-            code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
         self.voices = VoiceBank(
             chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
         )
         self.text = ChatTTSText(chat.normalizer)
+        voice_seconds = float(options.get("voice_max_seconds", 10.0))
+        limits = PromptLimits(
+            segment_chars=self.warmup_prompt_chars,
+            refine_tokens=max(0, options.get("refine_max_tokens", 384)),
+            voice_seconds=voice_seconds,
+            transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
+        )
+        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, device)
+        #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
+        self.refiner: Refiner = TextRefiner(chat, device=device)
+        #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
+        self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
+        # One refinement block per step, as long as the longest speech block: see RefineQueue.
+        self._refining = RefineQueue(block_tokens=max(self.block_schedule))
         self.slots = options.get("max_batch", 16)
         self.segment_max_tokens = options.get("segment_max_tokens", 2048)
+        self.longest_prompt = self.prompts.longest()
         self.max_len = kv_length(
-            longest_prompt=self._prompt_tokens("字" * self.warmup_prompt_chars),
+            longest_prompt=self.longest_prompt,
             prefill_bucket=self.prefill_bucket,
             segment_max_tokens=self.segment_max_tokens,
             max_positions=int(cfg.max_position_embeddings),
         )
-        self._batch = SlotBatch(
+        self._batch = SlotBatch.for_chat(
+            chat,
             self._llama,
-            SlotLayout(
-                layers=int(cfg.num_hidden_layers),
-                kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                head_dim=int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
-                hidden_size=self.hidden_size,
-                num_vq=self.num_vq,
-                slots=self.slots,
-                max_len=self.max_len,
-                block_schedule=self.block_schedule,
-                eos=self.eos,
-            ),
-            head_w=head_w,
-            code_w=code_w,
-            # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
-            vocoder=BatchVocoder(chat.decoder, chat.vocos, max_waste=None if device.type == "cuda" else 0.25),
+            slots=self.slots,
+            max_len=self.max_len,
+            block_schedule=self.block_schedule,
+            prefill_bucket=self.prefill_bucket,
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
@@ -135,35 +138,19 @@ class ChatTTSEngine:
             cuda_graphs=options.get("cuda_graphs", True),
             step_runner=step_runner,
         )
+        self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
         self._prepared = False
         self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
-        self._info = EngineInfo(
-            name="chattts", voices=("default",), samples_per_token=SAMPLES_PER_TOKEN, extra=self._extra()
+        self._info = engine_info(
+            loaded,
+            self._batch,
+            device=device,
+            dtype=dtype,
+            refine=self.prompts.limits.refine_tokens > 0,
+            voices_from_recordings=voice_seconds > 0,
         )
-        log.info(
-            "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
-            *(self._info.extra[k] for k in ("kv_slots", "kv_max_len")),
-            self.kv_cache_bytes / 2**20,
-            self._info.extra["dtype"],
-            *(self._info.extra[k] for k in ("token_step", "batch_buckets")),
-        )
-        if loaded.random_weights:
-            log.warning(
-                "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
-                loaded.model_dir,
-            )
-
-    def _extra(self) -> dict[str, str]:
-        return {
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "model_dir": str(self._loaded.model_dir),
-            "random_weights": "true" if self._loaded.random_weights else "false",
-            "weights": self._loaded.weights,
-            **self._batch.describe(),
-        }
 
     @classmethod
     def load(
@@ -220,8 +207,8 @@ class ChatTTSEngine:
 
     @property
     def live_sequences(self) -> int:
-        """Sequences holding state (tests assert that work is freed)."""
-        return len(self._seqs)
+        """Sequences holding state, refining ones included (tests assert that work is freed)."""
+        return len(self._seqs) + len(self._refining)
 
     @property
     def free_slots(self) -> int:
@@ -244,61 +231,84 @@ class ChatTTSEngine:
         speller, then ChatTTS's own normalizer) first. A voice from a recording reads
         ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts_reference`).
         """
-        return self._code_prompt(text, params).text
+        return self.prompts.code_prompt(self.text.model_text(text), params).text
 
-    def _code_prompt(self, text: str, params: SynthesisParams) -> CodePrompt:
-        voice = self.voices.resolve(params.voice)
-        if voice is None:
-            raise EngineError(f"unknown voice {params.voice!r}")
-        speed = speed_token(params.speed)
-        return code_prompt(self._chat, self.text.model_text(text), speed, voice, device=self.device)
-
-    def _prompt_tokens(self, text: str) -> int:
-        ids = self._chat.tokenizer.encode([self.prompt_text(text, SynthesisParams())], self.num_vq)[0]
-        return int(ids.shape[1])
+    def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """DVAE codes of a 24 kHz recording (``Chat.sample_audio_speaker``), checked against the limits."""
+        return self.prompts.encode_voice(audio, transcript)
 
     def add(self, request: SequenceRequest) -> None:
-        """Tokenize and register a sequence; its prefill runs inside the next step that names it."""
-        if request.seq_id in self._seqs:
+        """Tokenize and register a sequence; its prefill runs inside the next step that names it.
+
+        With ``params.refine`` the sequence first waits for its refinement (:class:`RefineQueue`).
+        """
+        if request.seq_id in self._seqs or request.seq_id in self._refining:
             raise EngineError(f"sequence {request.seq_id} already exists")
-        if len(self._seqs) >= self.slots:
+        if self.live_sequences >= self.slots:
             raise EngineError(f"all {self.slots} KV slots are in use (--max-batch)")
-        prompt = self._code_prompt(request.text, request.params)
+        model_text = self.text.model_text(request.text)
+        row = self._row(request, model_text)  # checks the voice and the length, refined or not
+        if not request.params.refine:
+            self._seqs[request.seq_id] = row
+            return
+        if not self._info.refine:
+            raise EngineError("refinement is off on this server (--refine-max-tokens 0)")
+        self._refining.add(request, RefineRow(model_text, request.params.refine_prompt, _seed_of(request)))
+
+    def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
+        """The engine's state of a sequence whose prompt reads ``model_text``."""
+        prompt = self.prompts.code_prompt(model_text, request.params)
         input_ids, text_mask = prompt.input_ids, prompt.text_mask
         n = int(input_ids.shape[1])
         if self.prefill_length(n) >= self.max_len:
+            if refined:  # re-tokenized refinements may run longer than their tokens: speak it unrefined
+                log.warning("a refined prompt of %d tokens does not fit a KV slot; spoken unrefined", n)
+                return self._row(request, self.text.model_text(request.text))
             raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
-        seed = request.params.seed
-        seed = (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
-        self._seqs[request.seq_id] = Row(
+        return Row(
             request=request,
             input_ids=input_ids,
             text_mask=text_mask,
             speaker=prompt.speaker,
-            key=stream_key(seed),
+            key=stream_key(_seed_of(request)),
             decoder=StreamDecoder(None, **self._decode_opts),
             max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
         )
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
+        self._refining.drop(seq_id)
         row = self._seqs.pop(seq_id, None)
         if row is not None:
             self._batch.release(row)
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
-        """Advance the given sequences by one token block each (prefilling new ones first)."""
-        unknown = [s for s in seq_ids if s not in self._seqs]
+        """Advance the given sequences by one token block each (prefilling new ones first).
+
+        Sequences still refining advance their refinement by one block instead and return
+        no audio; one that finishes refining in this step is prefilled and steps at once.
+        """
+        unknown = [s for s in seq_ids if s not in self._seqs and s not in self._refining]
         if unknown:
             raise EngineError(f"unknown sequence ids {unknown}")
-        if not seq_ids:
-            return []
+        named = list(dict.fromkeys(seq_ids))
         try:
             with torch.inference_mode():
-                return self._step([self._seqs[s] for s in dict.fromkeys(seq_ids)])
+                self._refine([s for s in named if s in self._refining])
+                rows = [self._seqs[s] for s in named if s in self._seqs]
+                results = self._step(rows) if rows else []
         except torch.cuda.OutOfMemoryError as exc:
             self.empty_cache()
             raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
+        refining = [s for s in named if s in self._refining]
+        return results + [StepResult(seq_id=s, audio=_NO_AUDIO, tokens=0, finished=False) for s in refining]
+
+    def _refine(self, seq_ids: list[int]) -> None:
+        """One block of refinement for these sequences; the finished ones get their speech prompt."""
+        if not seq_ids:
+            return
+        for request, refined in self._refining.advance(seq_ids, self.refiner, self.refine_params):
+            self._seqs[request.seq_id] = self._row(request, refined, refined=True)
 
     def empty_cache(self) -> None:
         """Return cached accelerator memory (the scheduler calls it after an OOM)."""
@@ -306,11 +316,8 @@ class ChatTTSEngine:
             torch.cuda.empty_cache()
 
     def prefill_length(self, prompt_tokens: int) -> int:
-        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
-
-        Never past the last position of a slot; never shorter than the prompt itself.
-        """
-        return max(prompt_tokens, min(round_up(prompt_tokens, self.prefill_bucket), self.max_len - 1))
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        return self._batch.prefill_length(prompt_tokens)
 
     def _prefill(self, row: Row) -> None:
         """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
@@ -318,20 +325,7 @@ class ChatTTSEngine:
         if row.speaker is not None:  # None: a voice from a recording ([empty_spk] + its codes)
             spk_ids = self._chat.tokenizer.spk_emb_ids
             self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
-        self._batch.prefill(row, self._pad_prompt(emb), int(emb.shape[1]))
-
-    def _pad_prompt(self, emb: torch.Tensor) -> torch.Tensor:
-        """Right-pad ``(1, n, hidden)`` prompt embeddings to their bucket.
-
-        Every distinct prefill length costs the CPU kernels (oneDNN primitives, allocator pools)
-        memory that is never given back: one shape per prompt length made RSS climb by about
-        2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
-        """
-        n = int(emb.shape[1])
-        length = self.prefill_length(n)
-        if length == n:
-            return emb
-        return torch.cat([emb, emb.new_zeros((1, length - n, emb.shape[2]))], dim=1)
+        self._batch.prefill(row, emb)
 
     def _step(self, rows: list[Row]) -> list[StepResult]:
         for row in rows:
@@ -363,8 +357,10 @@ class ChatTTSEngine:
             with torch.inference_mode():
                 # Without buckets (1) every length is its own shape: too many to warm, so none are.
                 if self.prefill_bucket > 1:
-                    self._warm_prefill_buckets()
+                    self._batch.warm_prefill(self.longest_prompt, self.device)
                 self._batch.runner.prepare(self.step_shapes())
+                if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
+                    self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
             self._prepared = True
         if self.live_sequences >= self.slots:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
@@ -380,11 +376,6 @@ class ChatTTSEngine:
         finally:
             self.drop(_WARMUP_ID)
 
-    def _warm_prefill_buckets(self) -> None:
-        """Prefill once at every bucket length up to a ``warmup_prompt_chars`` prompt's."""
-        longest = self.prefill_length(self._prompt_tokens("字" * self.warmup_prompt_chars))
-        self._batch.warm_prefill(range(self.prefill_bucket, longest + 1, self.prefill_bucket), self.device)
-
     def memory_allocated(self) -> int:
         """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
         return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
@@ -392,9 +383,16 @@ class ChatTTSEngine:
     def close(self) -> None:
         """Release every sequence, the KV slots, the captured graphs and the model."""
         self._seqs.clear()
+        self._refining.clear()
         for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
             if hasattr(self._chat, name):
                 delattr(self._chat, name)
         del self._llama, self._batch
         gc.collect()
         self.empty_cache()
+
+
+def _seed_of(request: SequenceRequest) -> int:
+    """The sequence's seed: the stream's plus the segment's index, or a random one."""
+    seed = request.params.seed
+    return (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)

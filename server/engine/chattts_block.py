@@ -21,7 +21,7 @@ every other row decode (and re-decode context) after 8 tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,7 @@ class SlotLayout:
         max_len: positions per slot.
         block_schedule: tokens between a row's decodes (last repeats).
         eos: the end code.
+        prefill_bucket: prompts are prefilled padded to a multiple of this (1: unpadded).
     """
 
     layers: int
@@ -89,6 +90,7 @@ class SlotLayout:
     max_len: int
     block_schedule: tuple[int, ...]
     eos: int
+    prefill_bucket: int = 1
 
 
 class SlotBatch:
@@ -178,8 +180,64 @@ class SlotBatch:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""
         return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
 
-    def prefill(self, row: Row, emb: torch.Tensor, real_length: int) -> None:
-        """Run ``(1, n, hidden)`` prompt embeddings (padded) into a free slot and give it to ``row``."""
+    @classmethod
+    def for_chat(
+        cls,
+        chat: Any,
+        llama: Any,
+        *,
+        slots: int,
+        max_len: int,
+        block_schedule: tuple[int, ...],
+        prefill_bucket: int,
+        **options: Any,
+    ) -> SlotBatch:
+        """The batch for a loaded ``Chat`` whose Llama (``llama``, already in its dtype) runs the steps.
+
+        ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w`` and ``vocoder``.
+        """
+        cfg, embed = llama.config, chat.embed
+        heads, hidden = int(cfg.num_attention_heads), int(cfg.hidden_size)
+        layout = SlotLayout(
+            layers=int(cfg.num_hidden_layers),
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+            hidden_size=hidden,
+            num_vq=int(embed.num_vq),
+            slots=slots,
+            max_len=max_len,
+            block_schedule=block_schedule,
+            eos=int(embed.num_audio_tokens) - 1,
+            prefill_bucket=prefill_bucket,
+        )
+        with torch.inference_mode():
+            # Stacked once: weight_norm would recompute each head's weight on every call.
+            head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
+            code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
+        # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
+        cuda = options["device"].type == "cuda"
+        vocoder = BatchVocoder(chat.decoder, chat.vocos, max_waste=None if cuda else 0.25)
+        return cls(llama, layout, head_w=head_w, code_w=code_w, vocoder=vocoder, **options)
+
+    def prefill_length(self, prompt_tokens: int) -> int:
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
+
+        Never past the last position of a slot; never shorter than the prompt itself.
+        """
+        bucket, last = self.layout.prefill_bucket, self.layout.max_len - 1
+        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, last))
+
+    def prefill(self, row: Row, emb: torch.Tensor) -> None:
+        """Run ``(1, n, hidden)`` prompt embeddings into a free slot, padded to their bucket.
+
+        Padded because every distinct prefill length costs the CPU kernels (oneDNN primitives,
+        allocator pools) memory that is never given back: one shape per prompt length made RSS
+        climb by about 2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
+        """
+        real_length = int(emb.shape[1])
+        length = self.prefill_length(real_length)
+        if length > real_length:
+            emb = torch.cat([emb, emb.new_zeros((1, length - real_length, emb.shape[2]))], dim=1)
         slot = self.kv.take()
         try:
             hidden = self.token_step.prefill(emb, slot, real_length)
@@ -200,8 +258,10 @@ class SlotBatch:
         )
         row.slot, row.length = slot, real_length
 
-    def warm_prefill(self, lengths: Sequence[int], device: torch.device) -> None:
-        """Prefill zeros once at each length, into a slot borrowed for the purpose."""
+    def warm_prefill(self, longest_prompt: int, device: torch.device) -> None:
+        """Prefill zeros once at every bucket length up to ``longest_prompt``'s, in a borrowed slot."""
+        bucket = self.layout.prefill_bucket
+        lengths = range(bucket, self.prefill_length(longest_prompt) + 1, bucket)
         slot = self.kv.take()
         try:
             for length in lengths:

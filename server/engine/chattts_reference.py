@@ -27,21 +27,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import soxr
 import torch
-
-#: ChatTTS's DVAE works on 24 kHz audio.
-REFERENCE_RATE = 24_000
-#: Longest accepted recording (its codes are part of every prompt spoken in that voice).
-MAX_REFERENCE_S = 30.0
-#: Shortest accepted recording: under this there is too little voice to copy.
-MIN_REFERENCE_S = 1.0
-#: Peak amplitude under which a recording counts as silent (−60 dBFS).
-SILENCE_PEAK = 1e-3
-
-
-class ReferenceAudioError(ValueError):
-    """The recording cannot make a voice; the message says why (safe to show a client)."""
 
 
 @dataclass(frozen=True)
@@ -72,46 +58,25 @@ class ReferenceVoice:
         return cls(codes=Speaker.decode_prompt(spk_smp).to(torch.long), transcript=transcript)
 
 
-def check_reference_audio(
-    samples: npt.NDArray[Any], sample_rate: int, *, max_seconds: float = MAX_REFERENCE_S
-) -> npt.NDArray[np.float32]:
-    """Mono float32 at 24 kHz from a decoded recording, or :class:`ReferenceAudioError` saying why not.
-
-    Args:
-        samples: ``(n,)`` mono or ``(n, channels)`` samples, float in [-1, 1] or int16.
-        sample_rate: their rate in Hz (8 kHz to 192 kHz).
-        max_seconds: the longest recording accepted.
-    """
-    if not 8_000 <= sample_rate <= 192_000:
-        raise ReferenceAudioError(f"sample rate {sample_rate} Hz is not supported (8000 to 192000 Hz)")
-    audio = np.asarray(samples)
-    if audio.dtype == np.int16:
-        audio = audio.astype(np.float32) / 32768.0
-    if audio.ndim == 2:
-        audio = audio.mean(axis=1)
-    if audio.ndim != 1 or not np.issubdtype(audio.dtype, np.floating):
-        raise ReferenceAudioError("expected mono or multi-channel PCM samples")
-    seconds = len(audio) / sample_rate
-    if seconds > max_seconds:
-        raise ReferenceAudioError(f"the recording is {seconds:.1f} s long; at most {max_seconds:g} s")
-    if seconds < MIN_REFERENCE_S:
-        raise ReferenceAudioError(f"the recording is {seconds:.2f} s long; at least {MIN_REFERENCE_S:g} s")
-    if not np.isfinite(audio).all():
-        raise ReferenceAudioError("the recording has NaN or infinite samples")
-    if float(np.abs(audio).max()) < SILENCE_PEAK:
-        raise ReferenceAudioError("the recording is silent (peak below -60 dBFS)")
-    audio = audio.astype(np.float32)
-    if sample_rate != REFERENCE_RATE:
-        audio = soxr.resample(audio, sample_rate, REFERENCE_RATE).astype(np.float32)
-    clipped: npt.NDArray[np.float32] = np.clip(audio, -1.0, 1.0)
-    return clipped
-
-
 def encode_reference(chat: Any, audio_24k: npt.NDArray[np.float32]) -> torch.Tensor:
-    """``(num_vq, T)`` DVAE codes of 24 kHz audio: ``Chat.sample_audio_speaker`` before its packing."""
+    """``(num_vq, T)`` DVAE codes of 24 kHz audio: ``Chat.sample_audio_speaker`` before its packing.
+
+    Decoded by :func:`server.voice_audio.decode_recording` and checked there (length, rate,
+    silence) before it reaches the inference thread.
+    """
     with torch.inference_mode():
         codes: torch.Tensor = chat.dvae.sample_audio(torch.from_numpy(np.ascontiguousarray(audio_24k)))
     return codes.to(device="cpu", dtype=torch.long)
+
+
+def reference_codes(samples: int) -> int:
+    """How many codes ``encode_reference`` makes of ``samples`` samples at 24 kHz (46.875 a second).
+
+    The DVAE's mel spectrogram (``n_fft`` 1024, hop 256, centred) has ``1 + samples // 256``
+    frames; its stride-2 convolution (kernel 4, padding 1) halves them.
+    """
+    frames = 1 + samples // 256
+    return (frames - 2) // 2 + 1
 
 
 @dataclass(frozen=True)

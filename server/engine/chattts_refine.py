@@ -18,8 +18,14 @@ from its own generator (reproducible with a seed, independent of the batch).
 ``tests/model/test_refine_voice.py`` holds its tokens equal to ``Chat._refine_text``'s.
 
 It costs about one GPT step per output token (up to ``max_new_tokens``, 384 by default), so
-it adds to the time to first audio; it is opt-in. Anything with a :class:`Refiner`'s
-``refine`` method can stand in for it (tests stub it: random weights write junk).
+it adds to the time to first audio; it is opt-in (``refine: true``). A refinement is a
+:class:`RefineJob` that runs a few tokens at a time: the engine's
+:class:`server.engine.chattts_refining.RefineQueue` starts
+one job for the sequences that begin refining in the same step (one batch) and advances every
+job by one block per engine step, between the other streams' token blocks, so a long
+refinement never stalls the streams that are already speaking. Anything with a
+:class:`Refiner`'s ``start`` can stand in for :class:`TextRefiner` (tests stub it: random
+weights write junk).
 
 Only ``server/engine/chattts*.py`` import torch; this is one of them.
 """
@@ -65,11 +71,42 @@ class RefineParams:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class RefineRow:
+    """One text to refine.
+
+    Attributes:
+        text: the text after the text pipeline (``ChatTTSText.model_text``).
+        prompt: the sentence-level controls written after ``[Pbreak]``.
+        seed: the row's generator seed; ``None`` = random.
+    """
+
+    text: str
+    prompt: str = ""
+    seed: int | None = None
+
+
+class RefineJob(Protocol):
+    """A refinement of some rows in progress (one batch)."""
+
+    def advance(self, tokens: int) -> bool:
+        """Generate up to ``tokens`` more tokens for every row; True once every row has ended."""
+        ...
+
+    def texts(self) -> list[str]:
+        """Each row's refined text, as ``infer`` hands it to speech (once :meth:`advance` said done)."""
+        ...
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Go on with only these rows (indices among the current ones, in order)."""
+        ...
+
+
 class Refiner(Protocol):
     """What the engine needs from a refinement pass (tests substitute a fixed one)."""
 
-    def refine(self, texts: Sequence[str], params: RefineParams) -> list[str]:
-        """The refined text of each of ``texts`` (already through the text pipeline), in order."""
+    def start(self, rows: Sequence[RefineRow], params: RefineParams) -> RefineJob:
+        """Begin refining ``rows`` in one batch (their prompts are prefilled here)."""
         ...
 
 
@@ -82,96 +119,157 @@ class TextRefiner:
     """
 
     def __init__(self, chat: Any, *, device: torch.device) -> None:
-        self._chat = chat
-        self._llama = chat.gpt.gpt
+        self.chat = chat
+        self.llama = chat.gpt.gpt
         self.device = device
         tokenizer = chat.tokenizer
         self.eos = int(tokenizer.eos_token)
         self.break_0 = int(tokenizer.break_0_ids)
         self.num_vq = int(chat.embed.num_vq)
 
+    def start(self, rows: Sequence[RefineRow], params: RefineParams) -> TextRefineJob:
+        """Begin refining ``rows``: one left-padded batch, as ``Chat._refine_text`` builds it."""
+        return TextRefineJob(self, rows, params)
+
     def refine(self, texts: Sequence[str], params: RefineParams) -> list[str]:
-        """Refined texts, as ``Chat.infer`` hands them to speech generation."""
-        kept = [ids[ids < self.break_0] for ids in self.refine_ids(texts, params)]
-        decoded: list[str] = self._chat.tokenizer.decode(kept)
-        return decoded
+        """Refined texts in one go (``params.prompt`` for all; row ``i`` seeded ``params.seed + i``)."""
+        job = self._run(texts, params)
+        return job.texts() if job is not None else []
 
     def refine_ids(self, texts: Sequence[str], params: RefineParams) -> list[torch.Tensor]:
         """Each row's generated text-token ids, end-of-text excluded (``Chat._refine_text``'s ``ids``)."""
+        job = self._run(texts, params)
+        return job.ids() if job is not None else []
+
+    def _run(self, texts: Sequence[str], params: RefineParams) -> TextRefineJob | None:
         if not texts:
-            return []
+            return None
+        seed = params.seed
+        rows = [
+            RefineRow(text, params.prompt, None if seed is None else (seed + i) % (1 << 63))
+            for i, text in enumerate(texts)
+        ]
+        job = self.start(rows, params)
+        while not job.advance(params.max_new_tokens):
+            pass
+        return job
+
+
+class TextRefineJob:
+    """One batch of rows being refined: the GPT's cache and every row's sampling state."""
+
+    def __init__(self, refiner: TextRefiner, rows: Sequence[RefineRow], params: RefineParams) -> None:
+        self._refiner, self._params = refiner, params
+        chat, dev = refiner.chat, refiner.device
+        prompts = [chat.speaker.decorate_text_prompts([row.text], row.prompt)[0] for row in rows]
+        count = len(rows)
         with torch.inference_mode():
-            return self._generate(list(texts), params)
+            input_ids, attention_mask, text_mask = chat.tokenizer.encode(prompts, refiner.num_vq, device=dev)
+            self._mask = attention_mask.to(torch.long)
+            # Left padding: a row's positions count its own tokens only (ChatTTS: cumsum − 1).
+            positions = (self._mask.cumsum(-1) - 1).masked_fill(self._mask.eq(0), 1)
+            self._cache = DynamicCache()
+            self._hidden = self._forward(chat.embed(input_ids, text_mask), positions)
+        self._next_position = positions[:, -1:] + 1
+        self._generators = [_generator(row.seed) for row in rows]
+        width = (count, 1, PENALTY_WINDOW)
+        self._history = torch.full(width, int(chat.tokenizer.len), dtype=torch.long, device=dev)
+        self._out = torch.zeros((count, params.max_new_tokens), dtype=torch.long, device=dev)
+        self._ended = torch.full((count,), params.max_new_tokens, dtype=torch.long)
+        self._step = 0
+        self.done = params.max_new_tokens <= 0
 
-    def _generate(self, texts: list[str], params: RefineParams) -> list[torch.Tensor]:
-        chat, dev = self._chat, self.device
-        prompts = chat.speaker.decorate_text_prompts(texts, params.prompt)
-        input_ids, attention_mask, text_mask = chat.tokenizer.encode(prompts, self.num_vq, device=dev)
-        rows = len(texts)
-        mask = attention_mask.to(torch.long)
-        # Left padding: a row's positions count its own tokens only (ChatTTS: cumsum − 1).
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask.eq(0), 1)
-        cache = DynamicCache()
-        hidden = self._forward(chat.embed(input_ids, text_mask), mask, positions, cache)
-        next_position = positions[:, -1:] + 1
-        generators = [self._generator(params.seed, row) for row in range(rows)]
-        history = torch.full((rows, 1, PENALTY_WINDOW), int(chat.tokenizer.len), dtype=torch.long, device=dev)
-        out = torch.zeros((rows, params.max_new_tokens), dtype=torch.long, device=dev)
-        ended = torch.full((rows,), params.max_new_tokens, dtype=torch.long)
-        for step in range(params.max_new_tokens):
-            token = self._sample(hidden, history, params, step, generators)
-            out[:, step] = token
-            history = torch.cat([history[:, :, 1:], token.view(rows, 1, 1)], dim=2)
-            for row in token.eq(self.eos).nonzero().flatten().tolist():
-                ended[row] = min(int(ended[row]), step)
-            if bool((ended <= step).all()):
-                break
-            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
-            hidden = self._forward(chat.embed.emb_text(token).unsqueeze(1), mask, next_position, cache)
-            next_position = next_position + 1
-        return [out[row, : int(ended[row])].cpu() for row in range(rows)]
+    def advance(self, tokens: int) -> bool:
+        """Up to ``tokens`` more tokens per row; True once every row has ended (or hit the cap)."""
+        with torch.inference_mode():
+            for _ in range(tokens):
+                if self.done:
+                    break
+                self._one_token()
+        return self.done
 
-    def _forward(
-        self, emb: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
-        result = self._llama(
-            inputs_embeds=emb.to(self._llama.dtype),
-            attention_mask=mask,
+    def _one_token(self) -> None:
+        refiner, step = self._refiner, self._step
+        token = _sample(refiner, self._hidden, self._history, self._params, step, self._generators)
+        rows = token.shape[0]
+        self._out[:, step] = token
+        self._history = torch.cat([self._history[:, :, 1:], token.view(rows, 1, 1)], dim=2)
+        for row in token.eq(refiner.eos).nonzero().flatten().tolist():
+            self._ended[row] = min(int(self._ended[row]), step)
+        self._step += 1
+        if bool((self._ended <= step).all()) or self._step >= self._params.max_new_tokens:
+            self.done = True  # the last token needs no forward pass
+            return
+        self._mask = torch.cat([self._mask, self._mask.new_ones((rows, 1))], dim=1)
+        emb = refiner.chat.embed.emb_text(token).unsqueeze(1)
+        self._hidden = self._forward(emb, self._next_position)
+        self._next_position = self._next_position + 1
+
+    def _forward(self, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        llama = self._refiner.llama
+        result = llama(
+            inputs_embeds=emb.to(llama.dtype),
+            attention_mask=self._mask,
             position_ids=positions,
-            past_key_values=cache,
+            past_key_values=self._cache,
             use_cache=True,
         )
         hidden: torch.Tensor = result.last_hidden_state[:, -1].float()
         return hidden
 
-    def _sample(
-        self,
-        hidden: torch.Tensor,
-        history: torch.Tensor,
-        params: RefineParams,
-        step: int,
-        generators: list[torch.Generator],
-    ) -> torch.Tensor:
-        rows = hidden.shape[0]
-        with parametrize.cached():  # head_text is weight-normed: compute its weight once
-            logits = self._chat.embed.head_text(hidden).float()
-        sampling = RowSampling(
-            temperature=torch.full((rows,), max(MIN_TEMPERATURE, params.temperature), device=self.device),
-            top_p=torch.full((rows,), min(1.0, max(0.0, params.top_p)), device=self.device),
-            top_k=torch.full((rows,), max(1, params.top_k), dtype=torch.long, device=self.device),
-            suppress_eos=torch.full((rows,), step < max(1, params.min_new_tokens), device=self.device),
-        )
-        probs = code_probabilities(
-            logits.unsqueeze(1), history, sampling, eos=self.eos, repetition_penalty=params.repetition_penalty
-        )
-        uniforms = torch.stack([torch.rand(1, generator=g) for g in generators]).to(self.device)
-        return _draw(probs, uniforms.view(rows, 1))
+    def keep(self, rows: Sequence[int]) -> None:
+        """Go on with only ``rows`` (a dropped row's cache and state are freed)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        on_device = index.to(self._refiner.device)
+        self._cache.batch_select_indices(on_device)
+        self._mask = self._mask[on_device]
+        self._next_position = self._next_position[on_device]
+        self._hidden = self._hidden[on_device]
+        self._history = self._history[on_device]
+        self._out = self._out[on_device]
+        self._ended = self._ended[index]
+        self._generators = [self._generators[i] for i in rows]
 
-    @staticmethod
-    def _generator(seed: int | None, row: int) -> torch.Generator:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed((seed + row) % (1 << 63) if seed is not None else secrets.randbits(63))
-        return gen
+    def ids(self) -> list[torch.Tensor]:
+        """Each row's generated ids, end-of-text excluded."""
+        return [self._out[row, : int(self._ended[row])].cpu() for row in range(self._out.shape[0])]
+
+    def texts(self) -> list[str]:
+        """``infer``'s hand-over: every token from ``[break_0]`` on dropped, the rest decoded."""
+        kept = [ids[ids < self._refiner.break_0] for ids in self.ids()]
+        decoded: list[str] = self._refiner.chat.tokenizer.decode(kept)
+        return decoded
+
+
+def _sample(
+    refiner: TextRefiner,
+    hidden: torch.Tensor,
+    history: torch.Tensor,
+    params: RefineParams,
+    step: int,
+    generators: list[torch.Generator],
+) -> torch.Tensor:
+    """One text token per row through ChatTTS's sampling chain (row ``i`` draws from ``generators[i]``)."""
+    rows, dev = hidden.shape[0], refiner.device
+    with parametrize.cached():  # head_text is weight-normed: compute its weight once
+        logits = refiner.chat.embed.head_text(hidden).float()
+    sampling = RowSampling(
+        temperature=torch.full((rows,), max(MIN_TEMPERATURE, params.temperature), device=dev),
+        top_p=torch.full((rows,), min(1.0, max(0.0, params.top_p)), device=dev),
+        top_k=torch.full((rows,), max(1, params.top_k), dtype=torch.long, device=dev),
+        suppress_eos=torch.full((rows,), step < max(1, params.min_new_tokens), device=dev),
+    )
+    probs = code_probabilities(
+        logits.unsqueeze(1), history, sampling, eos=refiner.eos, repetition_penalty=params.repetition_penalty
+    )
+    uniforms = torch.stack([torch.rand(1, generator=g) for g in generators]).to(dev)
+    return _draw(probs, uniforms.view(rows, 1))
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed % (1 << 63) if seed is not None else secrets.randbits(63))
+    return gen
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,19 @@ engine module holds only what runs per request.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TypedDict
 
 import torch
+
+from server.engine.base import EngineInfo
+from server.engine.chattts_assets import LoadedChat
+from server.engine.chattts_block import SlotBatch
+from server.engine.chattts_decode import SAMPLES_PER_TOKEN
+from server.engine.chattts_prompt import file_identity
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +76,11 @@ class EngineOptions(TypedDict, total=False):
         segment_max_tokens: token cap of one sequence; with the longest prompt it sets the
             KV slots' length.
         cuda_graphs: capture the token step as CUDA graphs on a CUDA device.
+        refine_max_tokens: the refinement pass's token cap (``--refine-max-tokens``; 0: off); a
+            refined text may be this long, so it sizes the KV slots too.
+        voice_max_seconds: the longest recording a voice is made from (``--voice-max-seconds``;
+            0: off); its codes are part of every prompt in that voice, so it sizes the KV slots.
+        voice_transcript_tokens: the longest transcript of such a recording, in model tokens.
     """
 
     block_schedule: Sequence[int]
@@ -81,6 +95,9 @@ class EngineOptions(TypedDict, total=False):
     max_batch: int
     segment_max_tokens: int
     cuda_graphs: bool
+    refine_max_tokens: int
+    voice_max_seconds: float
+    voice_transcript_tokens: int
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -93,3 +110,56 @@ def kv_length(
 ) -> int:
     """Positions per KV slot: the longest prompt's bucket plus the token cap, within the model's range."""
     return min(max_positions, round_up(longest_prompt, prefill_bucket) + segment_max_tokens)
+
+
+def engine_info(
+    loaded: LoadedChat,
+    batch: SlotBatch,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    refine: bool,
+    voices_from_recordings: bool,
+) -> EngineInfo:
+    """The engine's static facts (``hello``, the ``chattts_engine_info`` metric), logged once.
+
+    Args:
+        loaded: the weights.
+        batch: the KV slots and token step.
+        device: where the Llama runs.
+        dtype: the Llama's dtype.
+        refine: whether ``refine: true`` is served (``--refine-max-tokens`` above 0).
+        voices_from_recordings: whether voices can be made from recordings.
+    """
+    extra = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "model_dir": str(loaded.model_dir),
+        "random_weights": "true" if loaded.random_weights else "false",
+        "weights": loaded.weights,
+        **batch.describe(),
+    }
+    log.info(
+        "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
+        extra["kv_slots"],
+        extra["kv_max_len"],
+        batch.kv.nbytes / 2**20,
+        extra["dtype"],
+        extra["token_step"],
+        extra["batch_buckets"],
+    )
+    if loaded.random_weights:
+        log.warning(
+            "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
+            loaded.model_dir,
+        )
+    dvae = loaded.model_dir / "asset" / "DVAE.safetensors"
+    return EngineInfo(
+        name="chattts",
+        voices=("default",),
+        samples_per_token=SAMPLES_PER_TOKEN,
+        refine=refine,
+        # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
+        voice_encoder=file_identity(dvae) if voices_from_recordings else None,
+        extra=extra,
+    )

@@ -15,11 +15,6 @@ from collections import OrderedDict
 
 import torch
 
-from server.engine.chattts_reference import ReferenceVoice
-
-#: What a voice name resolves to: a speaker embedding, or a recording's codes and transcript.
-Voice = torch.Tensor | ReferenceVoice
-
 #: ``[speed_k]`` control used at speed 1.0 (ChatTTS's default prompt).
 DEFAULT_SPEED_TOKEN = 5
 
@@ -63,7 +58,6 @@ class VoiceBank:
         self.default_voice = default_voice
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache_size
-        self._references: dict[str, ReferenceVoice] = {}
         if default_voice == "default" or self.resolve(default_voice) is None:
             raise ValueError(f"default_voice {default_voice!r} is not a seed:N voice or speaker string")
 
@@ -84,21 +78,12 @@ class VoiceBank:
             return None
         return torch.from_numpy(values)
 
-    def register(self, name: str, voice: ReferenceVoice) -> None:
-        """Make ``name`` speak with a recording's voice (its store bounds how many exist)."""
-        if name == "default" or parse_seed(name) is not None or self._decode_string(name) is not None:
-            raise ValueError(f"{name!r} already names a built-in voice")
-        self._references[name] = voice
+    def resolve(self, voice: str) -> torch.Tensor | None:
+        """The speaker embedding ``voice`` names, or ``None``.
 
-    def forget(self, name: str) -> None:
-        """Drop a registered recording voice (no-op when unknown)."""
-        self._references.pop(name, None)
-
-    def resolve(self, voice: str) -> Voice | None:
-        """The speaker embedding or recording voice ``voice`` names, or ``None``."""
-        reference = self._references.get(voice)
-        if reference is not None:
-            return reference
+        Voices from recordings are not named here: a stream carries its own
+        (``SynthesisParams.reference``).
+        """
         if voice == "default":
             voice = self.default_voice
         hit = self._cache.get(voice)
@@ -117,7 +102,7 @@ class VoiceBank:
     def speaker_string(self, voice: str) -> str | None:
         """The ChatTTS speaker string of ``voice`` (what ``sample_random_speaker()`` returns)."""
         spk = self.resolve(voice)
-        if spk is None or isinstance(spk, ReferenceVoice):
+        if spk is None:
             return None
         text: str = self._speaker._encode(spk)  # type: ignore[attr-defined]
         return text

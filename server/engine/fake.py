@@ -20,6 +20,7 @@ import numpy as np
 
 from server.engine.base import (
     AudioArray,
+    Codes,
     EngineError,
     EngineInfo,
     EngineOutOfMemory,
@@ -33,6 +34,8 @@ SAMPLES_PER_TOKEN = 512
 #: brackets: those are reserved for control tags and refused before any engine sees them).
 FAIL_MARKER = "{{fail}}"
 FAKE_VOICES = ("default", "alto", "tenor")
+#: What the fake engine says makes its voices' codes (a real engine names its weights).
+FAKE_VOICE_ENCODER = "fake-encoder-1"
 
 
 def token_count(text: str, tokens_per_char: float, max_tokens: int) -> int:
@@ -55,6 +58,10 @@ def _sequence_rng(request: SequenceRequest) -> np.random.Generator:
             params.temperature,
             params.top_p,
             params.top_k,
+            # Refinement and a recording's voice change the audio, as they do in a real engine.
+            params.refine,
+            params.refine_prompt,
+            params.reference.digest if params.reference is not None else "",
         )
     )
     digest = hashlib.sha256(key.encode("utf-8")).digest()
@@ -117,6 +124,8 @@ class FakeEngine:
         block_tokens: int = 16,
         tokens_per_char: float = 2.0,
         log_limit: int = 100_000,
+        refine: bool = True,
+        voices: bool = True,
     ) -> None:
         self.step_base_s = step_base_s
         self.step_per_row_s = step_per_row_s
@@ -129,7 +138,13 @@ class FakeEngine:
         self.events: deque[tuple[str, int]] = deque(maxlen=log_limit)
         self._sequences: dict[int, _Sequence] = {}
         self._step_index = 0
-        self._info = EngineInfo(name="fake", voices=FAKE_VOICES, samples_per_token=SAMPLES_PER_TOKEN)
+        self._info = EngineInfo(
+            name="fake",
+            voices=FAKE_VOICES,
+            samples_per_token=SAMPLES_PER_TOKEN,
+            refine=refine,
+            voice_encoder=FAKE_VOICE_ENCODER if voices else None,
+        )
 
     @property
     def info(self) -> EngineInfo:
@@ -147,6 +162,16 @@ class FakeEngine:
             return True
         prefix, _, number = voice.partition(":")
         return prefix == "seed" and number.lstrip("-").isdigit()
+
+    def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """Fake codes: 4 rows of one code per 512 samples, a function of the audio (ChatTTS: ~47 a second)."""
+        if not transcript.strip():
+            raise ValueError("the transcript has nothing to speak")
+        frames = max(1, len(audio) // SAMPLES_PER_TOKEN)
+        padded = np.resize(np.abs(audio), frames * SAMPLES_PER_TOKEN)
+        levels = padded.reshape(frames, -1).mean(axis=1)
+        codes = (levels * 4096).astype(np.uint16) % 626
+        return np.stack([codes + k for k in range(4)]).astype(np.uint16)
 
     def add(self, request: SequenceRequest) -> None:
         """Register a sequence; its audio is computed now (cheap)."""

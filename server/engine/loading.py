@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from server.config import Settings
 from server.errors import StartupError
+from server.voice_audio import transcript_limit
 
 if TYPE_CHECKING:
     from server.engine.base import Engine
@@ -51,6 +52,8 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         raise ModelUnavailable(f"--segment-max-tokens {settings.segment_max_tokens}: must be at least 1")
     if settings.max_batch < 1:
         raise ModelUnavailable(f"--max-batch {settings.max_batch}: must be at least 1")
+    if settings.refine_max_tokens < 0:
+        raise ModelUnavailable(f"--refine-max-tokens {settings.refine_max_tokens}: must be 0 (off) or more")
 
     def build() -> Engine:
         from server.engine.chattts import ChatTTSEngine
@@ -77,6 +80,9 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 max_batch=settings.max_batch,
                 segment_max_tokens=settings.segment_max_tokens,
                 cuda_graphs=settings.cuda_graphs == "on",
+                refine_max_tokens=settings.refine_max_tokens,
+                voice_max_seconds=settings.voice_max_seconds,
+                voice_transcript_tokens=transcript_limit(settings.voice_max_seconds),
             )
         except ModelUnavailableError as exc:
             raise ModelUnavailable(_naming_the_flag(str(exc), settings)) from None

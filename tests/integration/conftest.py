@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +15,14 @@ MakeApp = Callable[..., Any]
 
 
 def fake_settings(*flags: str) -> Settings:
-    """Settings for an in-process fake-engine server on a free loopback port."""
-    return load_settings(["--engine", "fake", "--port", "0", "--host", "127.0.0.1", *flags], env={})
+    """Settings for an in-process fake-engine server on a free loopback port.
+
+    Its voices folder is a fresh path (made only if the test uploads a voice), so no test
+    reads voices another test or the user's cache left; ``--voices-dir`` in ``flags`` wins.
+    """
+    voices = Path(tempfile.gettempdir()) / f"chattts-test-voices-{uuid.uuid4().hex}"
+    base = ["--engine", "fake", "--port", "0", "--host", "127.0.0.1", "--voices-dir", str(voices)]
+    return load_settings([*base, *flags], env={})
 
 
 @pytest.fixture

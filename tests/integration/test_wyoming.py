@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from server.frontend import OPENAI_VOICES
 from server.wyoming_api import exposure_problem
 from tests.integration.conftest import MakeApp, fake_settings
 from tests.integration.test_incremental import ANSWER, llm_tokens
+from tests.integration.test_voices import encoded, form, recording, upload
 from tests.wsclient import stream_payload
 
 WYOMING = ("--wyoming-port", "-1")
@@ -112,6 +114,23 @@ async def test_describe_lists_our_voices(make_app: MakeApp) -> None:
     names = {v.name for v in tts.voices}
     assert set(FAKE_VOICES) <= names and set(OPENAI_VOICES) <= names
     assert all(set(v.languages) == {"zh", "en"} for v in tts.voices)
+
+
+async def test_a_voice_from_a_recording_is_listed_and_spoken(make_app: MakeApp, tmp_path: Path) -> None:
+    app = await make_app(*WYOMING, "--voices-dir", str(tmp_path))
+    status, voice = await upload(app, form(encoded(recording()), name="grandma"))
+    assert status == 200, voice
+    async with client(app) as c:  # a new connection lists it
+        await c.write_event(Describe().event())
+        event = await read(c)
+    assert event is not None
+    [tts] = Info.from_event(event).tts
+    assert voice["id"] in {v.name for v in tts.voices}
+    async with client(app) as c:
+        await c.write_event(Synthesize("用我的声音说。", voice=SynthesizeVoice(voice["id"])).event())
+        events = await until_end(c)
+    assert AudioStop.is_type(events[-1].type), events[-1]
+    assert pcm(events) == await ws_pcm(app, text="用我的声音说。", seed=0, voice=voice["id"])
 
 
 @pytest.mark.parametrize(("flags", "seed"), [((), 0), (("--wyoming-seed", "7"), 7)])

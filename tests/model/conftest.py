@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -107,3 +107,39 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
         engine.warmup()
     yield engine
     engine.close()
+
+
+@pytest.fixture
+async def make_model_app(tiny_model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Start servers on the tiny model with extra flags; each is stopped at the end of the test.
+
+    ``prepare`` is called with the engine on the inference thread, before its warm-up (tests
+    put stand-ins on it there, such as a fixed refiner).
+    """
+    from server.app import App
+    from server.config import load_settings
+    from server.engine.loading import chattts_engine_factory
+
+    apps: list[App] = []
+
+    async def make(*flags: str, prepare: Callable[[Any], None] | None = None) -> App:
+        base = ["--engine", "chattts", "--model-dir", str(tiny_model_dir), "--device", TEST_DEVICE]
+        base += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "0", "--cache-bytes", "0"]
+        settings = load_settings([*base, *flags], env={})
+        build = chattts_engine_factory(settings)
+
+        def factory() -> Any:
+            engine = build()
+            if prepare is not None:
+                prepare(engine)
+            return engine
+
+        app = App(settings, engine_factory=factory)
+        await app.start()
+        apps.append(app)
+        await app.warmed_up.wait()
+        return app
+
+    yield make
+    for app in apps:
+        await app.stop()

@@ -220,10 +220,13 @@ def test_join_and_leave_never_copy_other_rows_kv(engine: Any) -> None:
 def test_segment_max_tokens_caps_sequences_and_sizes_the_slots(tiny_model_dir: Path) -> None:
     from server.engine.chattts import ChatTTSEngine
 
-    options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100}
-    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", **options)
+    # No refinement and no voices from recordings: the longest prompt is a 120-character segment's.
+    options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100, "refine_max_tokens": 0}
+    eng = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", voice_max_seconds=0.0, **options
+    )
     try:
-        assert eng.max_len == eng.prefill_length(eng._prompt_tokens("字" * 120)) + 12
+        assert eng.max_len == eng.prefill_length(eng.prompts.prompt_tokens("字" * 120)) + 12
         assert run_to_end(eng, [req(1, "forced", max_tokens=500)])[1].tokens == 12
         with pytest.raises(EngineError, match="too long"):
             eng.add(req(2, "字" * 200))

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.base import SequenceRequest, SynthesisParams
+from server.engine.base import SequenceRequest, SynthesisParams, VoiceSample
 from server.normalize import speakable
 
 pytestmark = pytest.mark.model
@@ -100,8 +100,12 @@ class NativeChat:
         max_tokens: int = MAX_TOKENS,
         spk_smp: str | None = None,
         txt_smp: str | None = None,
+        refine: Any = None,
     ) -> NativeRun:
-        """``infer`` with a speaker (``voice``), a recording's codes and transcript, or both."""
+        """``infer`` with a speaker (``voice``), a recording's codes and transcript, or both.
+
+        ``refine``: ChatTTS's ``RefineTextParams``, to run its refinement pass first.
+        """
         chat = self.chat
         params = chat.InferCodeParams(
             prompt=speed_prompt,
@@ -117,7 +121,13 @@ class NativeChat:
             show_tqdm=False,
         )
         self._seen.clear()
-        chat.infer([text], skip_refine_text=True, split_text=False, params_infer_code=params)
+        chat.infer(
+            [text],
+            skip_refine_text=refine is None,
+            split_text=False,
+            params_refine_text=refine or chat.RefineTextParams(),
+            params_infer_code=params,
+        )
         [prompt] = self._seen["prompt"]
         return NativeRun(
             prompt=prompt,
@@ -184,22 +194,29 @@ def _compare(
     *,
     min_tokens: int,
     max_tokens: int,
-    reference: Any = None,
+    reference: VoiceSample | None = None,
 ) -> None:
-    """Engine vs native on ``text``; ``reference``: ``voice`` names this recording voice in the engine."""
+    """Engine vs native on ``text``; with ``reference``, in that recording's voice (spk_smp, txt_smp)."""
+    from server.engine.chattts_reference import ReferenceVoice
     from server.engine.chattts_voice import speed_token
 
     if voice == "speaker-string":
         voice = _speaker_string(native)
-    params = SynthesisParams(voice=voice, speed=speed, seed=1, temperature=NEAR_GREEDY, top_p=0.7, top_k=20)
+    params = SynthesisParams(
+        voice=voice, speed=speed, seed=1, temperature=NEAR_GREEDY, top_p=0.7, top_k=20, reference=reference
+    )
+    spk_smp = txt_smp = None
+    if reference is not None:  # infer takes the codes packed and the transcript as the model reads it
+        spk_smp = ReferenceVoice(torch.from_numpy(reference.codes.astype(np.int64)), "").spk_smp
+        txt_smp = engine.text.model_text(reference.transcript)
     ref = native.infer(
         speakable(text),
         None if reference is not None else voice,
         speed_token(speed),
         min_tokens=min_tokens,
         max_tokens=max_tokens,
-        spk_smp=None if reference is None else reference.spk_smp,
-        txt_smp=None if reference is None else reference.transcript,
+        spk_smp=spk_smp,
+        txt_smp=txt_smp,
     )
 
     assert engine.prompt_text(text, params) == ref.prompt

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.chattts_refine import RefineParams, TextRefiner
+from server.engine.chattts_refine import RefineParams, TextRefineJob, TextRefiner
 from server.normalize import speakable
 from tests.model.test_native_equivalence import NEAR_GREEDY, NativeChat, _compare
 
@@ -80,8 +80,8 @@ def test_refined_numbered_tags_are_dropped_like_infer_does(
     tokenizer = tiny_engine._chat.tokenizer._tokenizer
     tokens = ["你", "[uv_break]", "[break_3]", "好", "[laugh]", "[oral_2]", "[speed_5]", "[laugh_1]"]
     ids = torch.tensor(tokenizer.convert_tokens_to_ids(tokens))
-    monkeypatch.setattr(refiner, "refine_ids", lambda texts, params: [ids])
-    [text] = refiner.refine(["x"], RefineParams())
+    monkeypatch.setattr(TextRefineJob, "ids", lambda self: [ids])
+    [text] = refiner.refine(["x"], RefineParams(max_new_tokens=2))
     assert text.split() == ["你", "[uv_break]", "好", "[laugh]"]
 
 
@@ -117,14 +117,14 @@ def recording(seconds: float = 2.0, rate: int = 24_000) -> np.ndarray:
     ],
 )
 def test_bad_recordings_are_refused_with_the_reason(samples: np.ndarray, rate: int, reason: str) -> None:
-    from server.engine.chattts_reference import ReferenceAudioError, check_reference_audio
+    from server.voice_audio import ReferenceAudioError, check_reference_audio
 
     with pytest.raises(ReferenceAudioError, match=reason):
         check_reference_audio(samples, rate)
 
 
 def test_other_rates_and_int16_stereo_become_24k_mono() -> None:
-    from server.engine.chattts_reference import check_reference_audio
+    from server.voice_audio import check_reference_audio
 
     mono = recording(2.0, 16_000)
     stereo = np.stack([mono, mono], axis=1)
@@ -134,10 +134,12 @@ def test_other_rates_and_int16_stereo_become_24k_mono() -> None:
 
 
 def test_recording_codes_equal_sample_audio_speaker(tiny_engine: Any, native: NativeChat) -> None:
-    from server.engine.chattts_reference import ReferenceVoice, check_reference_audio, encode_reference
+    from server.engine.chattts_reference import ReferenceVoice, encode_reference, reference_codes
+    from server.voice_audio import check_reference_audio
 
     audio = check_reference_audio(recording(), 24_000)
     codes = encode_reference(tiny_engine._chat, audio)
+    assert codes.shape[1] == reference_codes(len(audio))
     spk_smp = native.chat.sample_audio_speaker(audio)
     assert codes.shape[0] == 4 and 80 <= codes.shape[1] <= 100  # about 47 codes per second
     voice = ReferenceVoice(codes=codes, transcript="x")
@@ -149,15 +151,16 @@ def test_recording_codes_equal_sample_audio_speaker(tiny_engine: Any, native: Na
 def test_engine_speaks_in_a_recordings_voice_like_native(
     tiny_engine: Any, native: NativeChat, text: str
 ) -> None:
-    """``infer(spk_smp=..., txt_smp=..., spk_emb=None)``: same prompt, tokens, states, audio."""
-    from server.engine.chattts_reference import ReferenceVoice, check_reference_audio, encode_reference
+    """``infer(spk_smp=..., txt_smp=..., spk_emb=None)``: same prompt, tokens, states, audio.
+
+    The voice travels with the stream (``SynthesisParams.reference``); its transcript goes
+    through the same text pipeline as the spoken text.
+    """
+    from server.engine.base import VoiceSample
+    from server.voice_audio import check_reference_audio
 
     audio = check_reference_audio(recording(), 24_000)
-    transcript = tiny_engine.text.model_text("这是一段参考录音，1 2 3。")
-    voice = ReferenceVoice(codes=encode_reference(tiny_engine._chat, audio), transcript=transcript)
-    tiny_engine.voices.register("my-voice", voice)
-    try:
-        _compare(tiny_engine, native, text, "my-voice", 1.0, min_tokens=1, max_tokens=40, reference=voice)
-    finally:
-        tiny_engine.voices.forget("my-voice")
+    codes = tiny_engine.encode_voice(audio, "这是一段参考录音，1 2 3。")
+    voice = VoiceSample(codes=codes, transcript="这是一段参考录音，1 2 3。")
+    _compare(tiny_engine, native, text, "my-voice", 1.0, min_tokens=1, max_tokens=40, reference=voice)
     assert not tiny_engine.validate_voice("my-voice")

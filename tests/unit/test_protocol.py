@@ -102,6 +102,8 @@ def test_every_domain_error_has_its_wire_code() -> None:
         "internal",
         "unknown_stream",
         "resume_expired",
+        "not_found",
+        "limit_reached",
     }
     assert protocol.code_of(errors.ServiceError("x")) == "internal"
     wire = protocol.wire_error(errors.Overloaded("busy", retry_after_ms=5), name="s")

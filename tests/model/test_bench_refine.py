@@ -1,0 +1,35 @@
+"""``python -m bench.refine`` on the tiny model: the script behind refine_cpu.md still runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.model
+
+
+def test_refine_bench_writes_paired_results(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "refine"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench.refine", "--model-dir", str(tiny_model_dir), "--dtype", "float32",
+            "--refine-tokens", "8,12", "--batches", "1,2", "--rounds", "2", "--out", str(out),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    for batch in ("1", "2"):
+        runs = report["runs"][batch]
+        assert [len(r["ttfa_s"]) for r in runs["0"]] == [int(batch)] * 2
+        assert all(r["refine_tokens"] == [] for r in runs["0"])  # off: the refiner is never asked
+        for cap in (8, 12):
+            # Random weights never end a refinement early: every row runs to the cap.
+            assert all(r["refine_tokens"] == [cap] * int(batch) for r in runs[str(cap)])
+            assert len(report["summary"][batch][str(cap)]["added_s_per_round"]) == 2
+    assert "ms per refinement token" in out.with_suffix(".md").read_text()
