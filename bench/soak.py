@@ -117,7 +117,7 @@ class Plan:
     fmt: str
     seed: int | None
     cut_after: tuple[int, ...]  # frames before each cancel/cut
-    pause_s: float  # before a resume
+    pause_frac: float  # before a resume, as a fraction of the resume TTL (at most a quarter)
     pieces: tuple[str, ...]  # incremental
     extra_texts: tuple[BenchText, ...]  # multi / too_many_streams
 
@@ -192,7 +192,7 @@ def make_plan(n: int, seed: int, texts: list[BenchText], max_text_chars: int, ma
                 fmt=fmt,
                 seed=seed_value,
                 cut_after=tuple(rng.randint(1, 40) for _ in range(rng.choice([1, 1, 2]))),
-                pause_s=rng.uniform(0.0, 0.5),
+                pause_frac=rng.uniform(0.0, 0.25),
                 pieces=pieces,
                 extra_texts=extra,
             )
@@ -631,7 +631,8 @@ class Soak:
                     break
                 conn.abort()
                 await conn.close()
-                await asyncio.sleep(plan.pause_s)
+                # A fraction of the TTL, so the reconnect itself has most of the TTL even on a loaded machine.
+                await asyncio.sleep(plan.pause_frac * self.ttl_s)
                 assert state.token is not None
                 conn = await Conn.open(self.url, out, query=f"?resume={state.token}")
                 codes = await conn.resume(state)
