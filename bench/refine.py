@@ -192,6 +192,11 @@ def main() -> None:
     parser.add_argument("--refine-tokens", default="96,384", help="refinement token caps to measure")
     parser.add_argument("--batches", default="1", help="sequences added at once, e.g. 1,4")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--shared",
+        default="yes: other jobs ran on the same cores; differences come from interleaved rounds",
+        help="what else ran on the machine (written into the result)",
+    )
     args = parser.parse_args()
     if args.render:
         report = json.loads(args.out.with_suffix(".json").read_text())
@@ -207,7 +212,7 @@ def main() -> None:
     report = {
         "command": command("bench.refine"),
         "machine": machine,
-        "shared_machine": "yes: other jobs ran on the same cores; differences come from interleaved rounds",
+        "shared_machine": args.shared,
         "torch_threads": torch.get_num_threads(),
         "model": model_kind(args.model_dir),
         "engine": measured["engine"],

@@ -221,8 +221,8 @@ class ChatTTSEngine:
         return self._batch.kv.nbytes
 
     def validate_voice(self, voice: str) -> bool:
-        """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices."""
-        return self.voices.resolve(voice) is not None
+        """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices (any thread)."""
+        return self.voices.is_voice(voice)
 
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
         """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).

@@ -69,7 +69,20 @@ class VoiceBank:
         spk = torch.randn(self.dim, generator=gen, dtype=std.dtype)
         return spk.mul_(std.cpu()).add_(mean.cpu())
 
+    @property
+    def max_string_chars(self) -> int:
+        """The longest speaker string decoded: ``dim`` float16 values, lzma-compressed, base16384.
+
+        A real one is about 1.1 characters per value, 840 for ChatTTS's 768 (incompressible
+        float16 plus LZMA2's small overhead, 14 bits per character); anything far longer is not
+        a speaker string, and decoding it could inflate a small message into a large buffer (an
+        lzma bomb).
+        """
+        return 2 * self.dim + 64
+
     def _decode_string(self, voice: str) -> torch.Tensor | None:
+        if len(voice) > self.max_string_chars:
+            return None
         try:
             values = self._speaker._decode(voice)  # type: ignore[attr-defined]
         except Exception:  # not base16384/lzma: not a speaker string
@@ -77,6 +90,18 @@ class VoiceBank:
         if values.shape != (self.dim,) or not bool(torch.isfinite(torch.from_numpy(values)).all()):
             return None
         return torch.from_numpy(values)
+
+    def is_voice(self, voice: str) -> bool:
+        """Whether ``voice`` names a voice, without touching the cache.
+
+        Called from the event loop (admission) while the engine thread resolves voices: only the
+        engine thread may change the cache, since ``OrderedDict`` updates from two threads race
+        (a lookup's ``move_to_end`` after the other thread evicted the key raises ``KeyError``).
+        Cheap: a seed is parsed, a speaker string (bounded by :attr:`max_string_chars`) decoded.
+        """
+        if voice == "default" or parse_seed(voice) is not None:
+            return True
+        return self._decode_string(voice) is not None
 
     def resolve(self, voice: str) -> torch.Tensor | None:
         """The speaker embedding ``voice`` names, or ``None``.

@@ -137,6 +137,40 @@ def test_unknown_characters_and_controls_do_not_crash(tiny_engine: Any, text: st
     assert len(c.samples) == samples_for_tokens(c.tokens)
 
 
+def test_validating_a_voice_leaves_the_engine_threads_cache_alone(tiny_engine: Any) -> None:
+    """Admission validates voices on the event loop; only the engine thread may touch the cache."""
+    bank = tiny_engine.voices
+    spk = bank._speaker._encode(bank.seeded(90_001))  # a speaker string nobody resolved yet
+    before = list(bank._cache)
+    for voice in ("default", "seed:90002", spk, "nobody", "seed:x"):
+        tiny_engine.validate_voice(voice)
+    assert list(bank._cache) == before
+    assert tiny_engine.validate_voice(spk) and tiny_engine.validate_voice("seed:90002")
+
+
+def test_an_overlong_speaker_string_is_refused_without_decoding(tiny_engine: Any, monkeypatch: Any) -> None:
+    """A small message must not inflate into a large buffer: strings past the bound are not decoded."""
+    import lzma
+
+    import pybase16384 as b14
+    from ChatTTS.model.speaker import Speaker
+
+    bank = tiny_engine.voices
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
+    bomb = b14.encode_to_string(lzma.compress(bytes(16 << 20), format=lzma.FORMAT_RAW, filters=filters))
+    assert len(bomb) > bank.max_string_chars
+    calls: list[str] = []
+    real_decode = bank._speaker._decode
+    monkeypatch.setattr(bank._speaker, "_decode", lambda s: calls.append(s) or real_decode(s))
+    assert not tiny_engine.validate_voice(bomb)
+    assert bank.resolve(bomb) is None
+    assert calls == []
+    # Real speaker strings, at the tiny size and at ChatTTS's (768 values), fit well inside the bound.
+    assert len(bank._speaker._encode(bank.seeded(5))) <= bank.max_string_chars
+    full = Speaker._encode(torch.randn(768, generator=torch.Generator().manual_seed(0)))
+    assert len(full) <= 2 * 768 + 64 and tiny_engine.validate_voice(bank._speaker._encode(bank.seeded(6)))
+
+
 def test_voices_and_speed(tiny_engine: Any) -> None:
     assert tiny_engine.validate_voice("default")
     assert tiny_engine.validate_voice("seed:42")
