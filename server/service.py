@@ -202,7 +202,10 @@ class SpeechService:
         text = request.text or ""
         segments = tuple(seg for seg in split_segments(text, max_chars=max_chars) if has_speakable(seg))
         if not segments:
-            raise InvalidRequest("text has nothing to speak")
+            raise InvalidRequest(
+                "text has nothing to speak (ChatTTS speaks Chinese and English; "
+                "other scripts, emoji and punctuation are skipped)"
+            )
         return segments
 
     def _start_incremental(self, request: SpeechRequest) -> tuple[Generation, TextFeed]:

@@ -113,8 +113,22 @@ def _join(left: str, right: str) -> str:
 
 
 def has_speakable(text: str) -> bool:
-    """Whether ``text`` has anything besides blanks and punctuation."""
-    return any(ch.isalnum() for ch in text)
+    """Whether ``text`` has anything the model can say.
+
+    ChatTTS speaks Chinese and English: its normalizer deletes every character outside CJK
+    unified ideographs, A-Z and a little punctuation, so a segment in another script would reach
+    the model as an empty prompt and the model would babble. What survives our speller
+    (:func:`server.normalize.speakable`: digits of any script become words, accented Latin
+    letters are folded to A-Z) and that normalizer counts; blanks, punctuation, emoji and other
+    scripts do not (``tests/model/test_text_pipeline.py`` holds this equal to the real pipeline).
+    """
+    return any(_model_speaks(ch) for ch in text)
+
+
+def _model_speaks(ch: str) -> bool:
+    if "\u4e00" <= ch <= "\u9fff" or ch.isdecimal():
+        return True
+    return ch.isalpha() and (ch.isascii() or "\u00c0" <= ch <= "\u024f")
 
 
 def speakable_segments(sentences: list[str], *, max_chars: int) -> list[str]:

@@ -33,6 +33,7 @@ BAD_MESSAGES: list[tuple[str, str | bytes, str, str | None]] = [
     ("mistyped text", '{"type": "start", "id": "x", "text": 5}', "bad_request", "x"),
     ("missing text", '{"type": "start", "id": "x"}', "bad_request", "x"),
     ("empty text", '{"type": "start", "id": "x", "text": "。。。"}', "bad_request", "x"),
+    ("other scripts", '{"type": "start", "id": "x", "text": "Привет. こんにちは。"}', "bad_request", "x"),
     ("speed out of range", '{"type": "start", "id": "x", "text": "hi", "speed": 9}', "bad_request", "x"),
     ("mistyped seed", '{"type": "start", "id": "x", "text": "hi", "seed": "7"}', "bad_request", "x"),
     ("negative top_k", '{"type": "start", "id": "x", "text": "hi", "top_k": -1}', "bad_request", "x"),
@@ -56,6 +57,15 @@ async def test_bad_message_gets_its_code_and_connection_survives(
     assert err["message"] and "Traceback" not in err["message"]
     assert err.get("id") == sid
     await assert_still_serves(ws)
+    await ws.close()
+
+
+async def test_segments_in_scripts_chattts_cannot_speak_are_skipped(app: App) -> None:
+    ws, _ = await open_client(app.port)
+    await start(ws, id="mixed", text="Hello there. Привет мир. 你好，今天天气很好。", seed=1)
+    log = (await collect(ws, {"mixed"}))["mixed"]
+    assert log.done is not None and log.done["reason"] == "complete", log.errors
+    assert [seg["text"] for seg in log.segments] == ["Hello there.", "你好，今天天气很好。"]
     await ws.close()
 
 

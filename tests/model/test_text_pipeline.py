@@ -8,6 +8,7 @@ is ``ChatTTSEngine.prompt_text``, the exact string the engine tokenizes.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,21 @@ def test_every_allowed_tag_is_one_token_and_refinement_drops_the_numbered_ones(t
         assert tokenizer.encode([tag], 4)[0].shape[1] == 1, tag
         below = token_id < tokenizer.break_0_ids
         assert below == (tag in RESERVED or tag[1:-1] in WORD_TAGS), tag
+
+
+#: Texts from many scripts: ``has_speakable`` must say yes exactly when ChatTTS's pipeline leaves
+#: the model something to say.
+SCRIPTS = [
+    "Hello.", "你好。", "Café crème", "Ærøskøbing", "ŁÓDŹ", "١٢٣", "१२३", "42", "$5",
+    "Привет мир.", "こんにちは。", "カタカナ", "안녕하세요", "Γειά σου", "مرحبا", "שלום", "สวัสดี",
+    "😀🎉", "……！", "ⅷ", "²", "ＡＢＣ", "１２３", "㐀", "Привет, Bob.", "[uv_break]",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", SCRIPTS)
+def test_has_speakable_matches_what_the_pipeline_leaves(tiny_engine: Any, text: str) -> None:
+    from server.text import has_speakable
+
+    left = TAG.sub("", tiny_engine.text.model_text(text))
+    model_can_say = re.search(r"[\u4e00-\u9fffA-Za-z]", left) is not None
+    assert has_speakable(text) == model_can_say or TAG.fullmatch(text), (text, left)

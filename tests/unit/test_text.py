@@ -53,6 +53,9 @@ def test_split_complete_keeps_the_unfinished_rest() -> None:
 
 def test_has_speakable() -> None:
     assert has_speakable("a。") and has_speakable("三") and not has_speakable("……！ ")
+    assert has_speakable("Café") and has_speakable("١٢٣") and has_speakable("Привет, Bob.")
+    for other_script in ("Привет мир.", "こんにちは。", "안녕하세요", "Γειά σου", "مرحبا", "😀🎉", "ⅷ"):
+        assert not has_speakable(other_script), other_script
 
 
 @given(st.text(alphabet=st.sampled_from("ab 。.!,，你好\n"), max_size=400), st.integers(10, 80))
