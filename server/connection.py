@@ -12,7 +12,6 @@ cancelled: generation goes on and a new connection may ``resume`` them.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -26,16 +25,10 @@ from server.connection_protocol import (
     StartPump,
     StopPump,
 )
-from server.frontend import ServerInfo
+from server.frontend import SendAborted, ServerInfo, abort_transport, send_within
 from server.metrics import Metrics
 from server.outbox import OutItem
 from server.service import SpeechService
-
-log = logging.getLogger(__name__)
-
-
-class _Aborted(Exception):
-    """The connection was aborted (send timeout or overflow); stop using it."""
 
 
 class Connection:
@@ -69,7 +62,7 @@ class Connection:
             await self._send(self.protocol.hello())
             async for raw in self.ws:
                 await self._carry_out(self.protocol.receive(raw))
-        except (ConnectionClosed, _Aborted):
+        except (ConnectionClosed, SendAborted):
             pass
         finally:
             pumps = list(self._pumps.values())
@@ -83,9 +76,7 @@ class Connection:
         if self._aborted:
             return
         self._aborted = True
-        log.warning("aborting connection from %s: %s", self.ws.remote_address, reason)
-        self._metrics.errors.labels(code="aborted").inc()
-        self.ws.transport.abort()
+        abort_transport(self.ws.transport, self._metrics, f"connection from {self.ws.remote_address}", reason)
 
     async def close_if_idle(self) -> None:
         """During a drain, close with 1012 once no stream is left."""
@@ -120,7 +111,7 @@ class Connection:
 
         try:
             await self._service.deliver(attachment.stream, attachment.lease, index, write)
-        except (ConnectionClosed, _Aborted):
+        except (ConnectionClosed, SendAborted):
             return
         finally:
             if self._pumps.get(attachment) is asyncio.current_task():
@@ -129,10 +120,5 @@ class Connection:
 
     async def _send(self, data: str | bytes) -> None:
         if self._aborted:
-            raise _Aborted
-        try:
-            async with asyncio.timeout(self._send_timeout_s):
-                await self.ws.send(data)
-        except TimeoutError:
-            self.abort(f"send blocked for {self._send_timeout_s} s")
-            raise _Aborted from None
+            raise SendAborted
+        await send_within(self.ws.send(data), self._send_timeout_s, self.abort)

@@ -8,7 +8,9 @@ HTTP endpoint (and any front end added later).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -16,6 +18,38 @@ from typing import Final
 from server.config import Settings
 from server.errors import StartupError
 from server.limits import ApiKeys, client_identity, client_ip, origin_allowed, presented_key
+from server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class SendAborted(Exception):
+    """The connection was aborted (a send blocked, or its stream failed); stop using it."""
+
+
+async def send_within(send: Awaitable[None], timeout_s: float, abort: Callable[[str], None]) -> None:
+    """Await ``send``; past ``timeout_s`` the peer is not reading: ``abort`` it, raise :class:`SendAborted`.
+
+    Every front end bounds its writes this way, so a client that stops reading is dropped
+    rather than allowed to hold the stream's buffers.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await send
+    except TimeoutError:
+        abort(f"send blocked for {timeout_s} s")
+        raise SendAborted from None
+
+
+def abort_transport(
+    transport: asyncio.WriteTransport | None, metrics: Metrics, who: str, reason: str
+) -> None:
+    """Drop ``who``'s TCP connection at once (no goodbye: the peer is not reading), counted as aborted."""
+    log.warning("aborting %s: %s", who, reason)
+    metrics.errors.labels(code="aborted").inc()
+    if transport is not None:
+        transport.abort()
+
 
 #: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres);
 #: the OpenAI-compatible endpoint and the Wyoming server take these names.

@@ -13,7 +13,6 @@ resumed, so they are freed at once. ``GET /v1/models`` and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import socket
@@ -26,7 +25,15 @@ from aiohttp.typedefs import Handler
 
 from server.config import Settings
 from server.errors import ServiceError
-from server.frontend import OPENAI_VOICES, AccessDenied, AccessGate, ServerInfo
+from server.frontend import (
+    OPENAI_VOICES,
+    AccessDenied,
+    AccessGate,
+    SendAborted,
+    ServerInfo,
+    abort_transport,
+    send_within,
+)
 from server.http_common import CLIENT, error_response, service_error
 from server.http_voices import VoicesApi
 from server.metrics import Metrics
@@ -263,23 +270,16 @@ class HttpApi:
         return response
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        timeout = self.settings.send_timeout_s
         try:
-            async with asyncio.timeout(timeout):
-                await response.write(data)
-        except TimeoutError:
-            self._abort(request, f"send blocked for {timeout} s")
-            raise _ClientGone from None
-        except ConnectionError:  # aiohttp's ClientConnectionResetError is one
+            timeout = self.settings.send_timeout_s
+            await send_within(response.write(data), timeout, lambda reason: self._abort(request, reason))
+        except (SendAborted, ConnectionError):  # aiohttp's ClientConnectionResetError is a ConnectionError
             raise _ClientGone from None
         self.metrics.bytes_sent.inc(len(data))
 
     def _abort(self, request: web.Request, reason: str) -> None:
         """Drop the client's TCP connection (a reader that falls behind, or a failed stream)."""
-        log.warning("aborting HTTP response to %s: %s", request.remote, reason)
-        self.metrics.errors.labels(code="aborted").inc()
-        if request.transport is not None:
-            request.transport.abort()
+        abort_transport(request.transport, self.metrics, f"HTTP response to {request.remote}", reason)
 
 
 def _parse(raw: bytes) -> tuple[SpeechBody, str]:

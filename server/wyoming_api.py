@@ -22,7 +22,7 @@ import socket
 from wyoming.event import Event, async_write_event
 
 from server.config import Settings
-from server.frontend import ServerInfo
+from server.frontend import SendAborted, ServerInfo, abort_transport, send_within
 from server.limits import client_identity
 from server.metrics import Metrics
 from server.outbox import OutItem
@@ -93,10 +93,6 @@ async def read_event(reader: asyncio.StreamReader, max_bytes: int) -> Event | No
     return Event(type=kind, data=data, payload=payload)
 
 
-class _Aborted(Exception):
-    """The connection was aborted (send timeout or overflow); stop using it."""
-
-
 class WyomingConnection:
     """Serves one Wyoming client until it leaves or the session closes the connection."""
 
@@ -135,7 +131,7 @@ class WyomingConnection:
                 if event is None:
                     break
                 await self._carry_out(self.session.receive(event))
-        except (ConnectionError, _Aborted):
+        except (ConnectionError, SendAborted):
             pass
         finally:
             pump, self._pump = self._pump, None
@@ -150,11 +146,8 @@ class WyomingConnection:
         if self._aborted:
             return
         self._aborted = True
-        log.warning(
-            "aborting Wyoming connection from %s: %s", self._writer.get_extra_info("peername"), reason
-        )
-        self._metrics.errors.labels(code="aborted").inc()
-        self._writer.transport.abort()
+        who = f"Wyoming connection from {self._writer.get_extra_info('peername')}"
+        abort_transport(self._writer.transport, self._metrics, who, reason)
 
     async def close_if_idle(self) -> None:
         """During a drain, close once no stream is left."""
@@ -163,7 +156,7 @@ class WyomingConnection:
     async def shut_down(self) -> None:
         """The server stops: say so to a client with a running stream, then close."""
         if self.session.stream is not None:
-            with contextlib.suppress(ConnectionError, _Aborted):
+            with contextlib.suppress(ConnectionError, SendAborted):
                 await self._write(error_event("shutting_down", "the server is stopping"))
         self._close()
 
@@ -190,19 +183,14 @@ class WyomingConnection:
             if self._pump is asyncio.current_task():
                 self._pump = None
             await self._carry_out(self.session.delivered())
-        except (ConnectionError, _Aborted):
+        except (ConnectionError, SendAborted):
             self._close()
 
     async def _write(self, event: Event) -> None:
         if self._aborted:
-            raise _Aborted
+            raise SendAborted
         async with self._lock:
-            try:
-                async with asyncio.timeout(self._send_timeout_s):
-                    await async_write_event(event, self._writer)
-            except TimeoutError:
-                self.abort(f"send blocked for {self._send_timeout_s} s")
-                raise _Aborted from None
+            await send_within(async_write_event(event, self._writer), self._send_timeout_s, self.abort)
         if event.payload:
             self._metrics.bytes_sent.inc(len(event.payload))
 
