@@ -43,7 +43,13 @@ from server.engine.loading import cache_root
 from server.errors import InvalidRequest, LimitReached, NotFound, Overloaded, ServiceError, Unsupported
 from server.tags import problem as tag_problem
 from server.text import has_speakable
-from server.voice_audio import MAX_REFERENCE_S, ReferenceAudioError, decode_recording, transcript_limit
+from server.voice_audio import (
+    MAX_REFERENCE_S,
+    REFERENCE_RATE,
+    ReferenceAudioError,
+    decode_recording,
+    transcript_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +182,15 @@ class VoiceStore:
             voices.append(voice)
         return sorted(voices, key=lambda v: (v.created_at, v.id))
 
-    def room_for(self, size: int) -> str | None:
-        """Why a new file of ``size`` bytes would pass a bound, or ``None`` when it fits."""
+    def check_room(self, size: int) -> None:
+        """Raise ``LimitReached`` when a new file of ``size`` bytes would pass a bound."""
+        full = None
         if self.count + 1 > self.max_count:
-            return f"the server holds {self.count} voices, its limit (--voices-max {self.max_count})"
-        if self.bytes + size > self.max_bytes:
-            return f"the voices folder would pass {self.max_bytes} bytes (--voices-max-bytes)"
-        return None
+            full = f"the server holds {self.count} voices, its limit (--voices-max {self.max_count})"
+        elif self.bytes + size > self.max_bytes:
+            full = f"the voices folder would pass {self.max_bytes} bytes (--voices-max-bytes)"
+        if full is not None:
+            raise LimitReached(f"{full}; delete a voice first (DELETE /v1/audio/voices/{{id}})")
 
     def save(self, voice: StoredVoice) -> None:
         """Write ``voice`` atomically.
@@ -192,9 +200,7 @@ class VoiceStore:
             OSError: the write failed (nothing left behind).
         """
         raw = voice.to_bytes()
-        full = self.room_for(len(raw))
-        if full is not None:
-            raise LimitReached(f"{full}; delete a voice first (DELETE /v1/audio/voices/{{id}})")
+        self.check_room(len(raw))
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.folder / f"{voice.id}.json"
         temp = self.folder / f".{voice.id}.{secrets.token_hex(4)}.tmp"
@@ -288,9 +294,7 @@ class VoiceLibrary:
         transcript = self._check_transcript(transcript)
         if len(name) > MAX_NAME_CHARS:
             raise InvalidRequest(f"name has {len(name)} characters; at most {MAX_NAME_CHARS}")
-        full = self.store.room_for(0)
-        if full is not None:
-            raise LimitReached(f"{full}; delete a voice first (DELETE /v1/audio/voices/{{id}})")
+        self.store.check_room(0)
         if self._uploads >= MAX_UPLOADS_IN_FLIGHT:
             raise Overloaded("other recordings are being processed; retry shortly", retry_after_ms=1000)
         self._uploads += 1
@@ -310,7 +314,7 @@ class VoiceLibrary:
             id=f"voice_{secrets.token_hex(8)}",
             name=name,
             created_at=int(time.time()),
-            seconds=len(audio) / 24_000,
+            seconds=len(audio) / REFERENCE_RATE,
             encoder=self._encoder,
             sample=VoiceSample(codes=codes, transcript=transcript),
         )
