@@ -154,8 +154,7 @@ class ConnectionProtocol:
         service = self._service
         lease = Lease(self._abort)
         try:
-            service.check_accepting()  # before the rate limiter takes a token
-            service.check_rate(self._client)
+            service.admit(self._client)
             self._check_room(msg.id)
             stream = service.open(protocol.speech_request(msg), lease, route=self._route)
         except ServiceError as exc:

@@ -34,7 +34,7 @@ from server.frontend import (
     abort_transport,
     send_within,
 )
-from server.http_common import CLIENT, error_response, service_error
+from server.http_common import CLIENT, counted_error, error_response, service_error
 from server.http_voices import VoicesApi
 from server.metrics import Metrics
 from server.outbox import Failure, Frame, OutItem
@@ -206,18 +206,15 @@ class HttpApi:
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
-                self.metrics.errors.labels(code="bad_request").inc()
-                return error_response(
-                    413, "bad_request", f"request body over {self.settings.max_message_bytes} bytes"
-                )
+                message = f"request body over {self.settings.max_message_bytes} bytes"
+                return counted_error(self.metrics, 413, "bad_request", message)
             body, fmt = _parse(raw)
             self.service.check_rate(request[CLIENT])
             stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
         except BodyError as err:
-            self.metrics.errors.labels(code=err.code).inc()
-            return error_response(400, err.code, err.message, param=err.param)
+            return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
         except ServiceError as exc:
-            return self._service_error(exc)
+            return service_error(exc, self.metrics)
         try:
             return await self._send_audio(request, stream, lease, FORMATS[fmt][2])
         except _ClientGone:
@@ -225,9 +222,6 @@ class HttpApi:
         finally:
             # Cancelled too (client gone, server stopping): nothing can resume an HTTP stream.
             self.service.abandon(stream)
-
-    def _service_error(self, exc: ServiceError) -> web.Response:
-        return service_error(exc, self.metrics)
 
     async def _send_audio(
         self, request: web.Request, stream: Stream, lease: Lease, content_type: str
@@ -259,7 +253,7 @@ class HttpApi:
             await self.service.deliver(stream, lease, outbox.sent_index, write)
         except _StreamFailed as failed:
             if not response.prepared:
-                return self._service_error(failed.error)
+                return service_error(failed.error, self.metrics)
             self.metrics.errors.labels(code=code_of(failed.error)).inc()
             self._abort(request, f"stream failed: {code_of(failed.error)}")
             raise _ClientGone from None

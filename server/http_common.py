@@ -38,10 +38,23 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+def counted_error(
+    metrics: Metrics,
+    status: int,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    retry_after_ms: int | None = None,
+) -> web.Response:
+    """:func:`error_response`, counted by code in ``chattts_errors``."""
+    metrics.errors.labels(code=code).inc()
+    return error_response(status, code, message, param=param, retry_after_ms=retry_after_ms)
+
+
 def service_error(exc: ServiceError, metrics: Metrics, *, param: str | None = None) -> web.Response:
     """A domain error as its HTTP answer (counted by code)."""
     code = code_of(exc)
-    metrics.errors.labels(code=code).inc()
-    return error_response(
-        STATUS.get(code, 500), code, exc.message, param=param, retry_after_ms=exc.retry_after_ms
+    return counted_error(
+        metrics, STATUS.get(code, 500), code, exc.message, param=param, retry_after_ms=exc.retry_after_ms
     )

@@ -19,7 +19,7 @@ from aiohttp import BodyPartReader, web
 
 from server.config import Settings
 from server.errors import InvalidRequest, ServiceError
-from server.http_common import CLIENT, error_response, service_error
+from server.http_common import CLIENT, counted_error, service_error
 from server.metrics import Metrics
 from server.service import SpeechService
 
@@ -51,23 +51,28 @@ class VoicesApi:
         """``POST /v1/audio/voices``: a new voice from a recording and its transcript."""
         limit = self.settings.voice_upload_max_bytes
         try:
-            self.service.check_accepting()
-            self.service.check_rate(request[CLIENT])
+            self.service.admit(request[CLIENT])
             if request.content_length is not None and request.content_length > limit + MAX_TEXT_BYTES:
                 raise _TooLarge
             fields, audio = await _read_form(request, limit)
             if fields.get("type", "audio_sample") != "audio_sample":
                 message = "only voices from a recording (type audio_sample) can be made here"
-                return self._error(400, "unsupported", message, "type")
+                return counted_error(self.metrics, 400, "unsupported", message, param="type")
             if audio is None:
-                return self._error(400, "bad_request", "missing the recording (audio_sample)", "audio_sample")
+                return counted_error(
+                    self.metrics,
+                    400,
+                    "bad_request",
+                    "missing the recording (audio_sample)",
+                    param="audio_sample",
+                )
             if "transcript" not in fields:
                 message = "missing the transcript: what is said in the recording"
-                return self._error(400, "bad_request", message, "transcript")
+                return counted_error(self.metrics, 400, "bad_request", message, param="transcript")
             voice = await self.service.voices.create(audio, fields["transcript"], fields.get("name", ""))
         except _TooLarge:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
-            return self._error(413, "bad_request", message, "audio_sample")
+            return counted_error(self.metrics, 413, "bad_request", message, param="audio_sample")
         except InvalidRequest as exc:
             # The engine's refusals say "the transcript ...", the library's "transcript ...".
             param = (
@@ -87,10 +92,6 @@ class VoicesApi:
         except ServiceError as exc:
             return service_error(exc, self.metrics)
         return web.json_response({"id": voice_id, "object": "audio.voice.deleted", "deleted": True})
-
-    def _error(self, status: int, code: str, message: str, param: str | None = None) -> web.Response:
-        self.metrics.errors.labels(code=code).inc()
-        return error_response(status, code, message, param=param)
 
 
 async def _read_form(request: web.Request, limit: int) -> tuple[dict[str, str], bytes | None]:

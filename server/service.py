@@ -90,6 +90,11 @@ class SpeechService:
         if wait_ms:
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
 
+    def admit(self, client: str) -> None:
+        """Refuse while draining, then rate-limit ``client`` (a draining server takes no token)."""
+        self.check_accepting()
+        self.check_rate(client)
+
     # --- opening -------------------------------------------------------------------------------
 
     def open(

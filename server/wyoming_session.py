@@ -202,8 +202,7 @@ class WyomingSession:
         if text_format is not None and str(getattr(text_format, "value", text_format)) != "text":
             raise Unsupported(f"text_format {text_format!r} is not supported; send plain text")
         service = self._service
-        service.check_accepting()  # before the rate limiter takes a token
-        service.check_rate(self._client)
+        service.admit(self._client)
         request = SpeechRequest(
             name="wyoming",
             text="" if streaming else text,
