@@ -35,10 +35,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
-import torch.nn.utils.parametrize as parametrize
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from server.engine.chattts_batch import MIN_TEMPERATURE, PENALTY_WINDOW, RowSampling, code_probabilities
@@ -126,6 +127,17 @@ class TextRefiner:
         self.eos = int(tokenizer.eos_token)
         self.break_0 = int(tokenizer.break_0_ids)
         self.num_vq = int(chat.embed.num_vq)
+
+    @cached_property
+    def head_weight(self) -> torch.Tensor:
+        """``head_text``'s weight, computed once on first use.
+
+        The module is weight-normed: calling it recomputes the whole vocabulary-by-hidden matrix,
+        which was most of a refinement token's time on the CPU.
+        """
+        with torch.no_grad():
+            weight: torch.Tensor = self.chat.embed.head_text.weight.detach()
+        return weight
 
     def start(self, rows: Sequence[RefineRow], params: RefineParams) -> TextRefineJob:
         """Begin refining ``rows``: one left-padded batch, as ``Chat._refine_text`` builds it."""
@@ -251,8 +263,7 @@ def _sample(
 ) -> torch.Tensor:
     """One text token per row through ChatTTS's sampling chain (row ``i`` draws from ``generators[i]``)."""
     rows, dev = hidden.shape[0], refiner.device
-    with parametrize.cached():  # head_text is weight-normed: compute its weight once
-        logits = refiner.chat.embed.head_text(hidden).float()
+    logits = F.linear(hidden, refiner.head_weight).float()
     sampling = RowSampling(
         temperature=torch.full((rows,), max(MIN_TEMPERATURE, params.temperature), device=dev),
         top_p=torch.full((rows,), min(1.0, max(0.0, params.top_p)), device=dev),
