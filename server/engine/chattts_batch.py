@@ -143,7 +143,9 @@ def code_probabilities(
     x = x.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
     # top-k (HF TopKLogitsWarper).
     top_k = _per_stream(sampling.top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=v), q)
-    kth = torch.sort(x, descending=True, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+    # Top-p removed a prefix of the ascending sort (its cumulative mass only grows), so the k-th
+    # largest value left is read from that sort: no second sort per token.
+    kth = sorted_logits.masked_fill(remove, float("-inf")).gather(1, (v - top_k).unsqueeze(1))
     x = x.masked_fill(x < kth, float("-inf"))
     ban = _per_stream(sampling.suppress_eos, q)
     x[:, eos] = x[:, eos].masked_fill(ban, float("-inf"))
