@@ -63,7 +63,6 @@ class Row:
     max_tokens: int
     slot: int = -1  # -1 until prefilled
     length: int = 0  # filled KV positions (host copy, refreshed every block)
-    tokens: int = 0
     decodes: int = 0  # decode windows so far: the position in the block schedule
     undecoded: int = 0  # tokens pushed since the last decode
 
@@ -301,7 +300,6 @@ class SlotBatch:
         windows: list[tuple[Row, DecodeWindow]] = []
         for row in rows:
             k, row.length = produced[row.slot], lengths[row.slot]
-            row.tokens += k
             row.undecoded += k
             if k:
                 row.decoder.push(st.pending_hidden[row.slot, :k].clone())

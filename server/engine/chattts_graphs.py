@@ -134,8 +134,3 @@ class CudaGraphRunner:
             self._step(batch, length)
             return
         graph.replay()
-
-    @property
-    def captured(self) -> int:
-        """Graphs held."""
-        return len(self._graphs)

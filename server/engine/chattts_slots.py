@@ -116,7 +116,6 @@ class SlotKV:
         self.keys = [_zeros(shape, dtype, device) for _ in range(layers)]
         self.values = [_zeros(shape, dtype, device) for _ in range(layers)]
         self.slots = slots
-        self.max_len = max_len
         self._free = list(range(slots))  # a heap: the lowest free slot first
 
     @property
