@@ -32,7 +32,6 @@ from server.core.events import (
     Admission,
     Append,
     Audio,
-    BreakerChanged,
     Cancel,
     Capacity,
     CoreEvent,
@@ -47,7 +46,7 @@ from server.core.events import (
     StreamEvent,
     VoiceEncoded,
 )
-from server.core.policy import STOPPED_MESSAGE, PolicyConfig, refusal
+from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig, refusal
 from server.engine.base import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
 from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
 from server.metrics import Metrics
@@ -140,8 +139,7 @@ class EngineClient:
         self._encodes: dict[int, asyncio.Future[VoiceEncoded]] = {}
         self._ids = itertools.count()
         self._adds_sent = 0
-        self._capacity = Capacity(Admission(0, config.max_batch, 0.05, False), 0)
-        self._breaker_open = False
+        self._capacity = Capacity(Admission(0, config.max_batch, INITIAL_SECONDS_PER_BLOCK, False), 0)
         self._stopped = False
         self._heard = time.monotonic()
         self.info = EngineInfo(name="(not loaded)")
@@ -193,7 +191,7 @@ class EngineClient:
     @property
     def breaker_open(self) -> bool:
         """The engine keeps failing: new streams are refused until a probe succeeds."""
-        return self._breaker_open
+        return self._capacity.admission.breaker_open
 
     @property
     def engine(self) -> Engine:
@@ -300,8 +298,6 @@ class EngineClient:
                 future = self._encodes.get(event.request_id)
                 if future is not None and not future.done():
                     future.set_result(event)
-            elif isinstance(event, BreakerChanged):
-                self._breaker_open = event.open
             elif isinstance(event, Ready):
                 self._ready.set()
             elif isinstance(event, Loaded | LoadFailed):

@@ -44,6 +44,8 @@ BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
 FAILED_MESSAGE = "the model failed while generating this stream"
 REFUSED_MESSAGE = "the model could not take this text"
 STOPPED_MESSAGE = "the inference loop stopped"
+#: The block-time estimate before any block ran (it then follows the measured times).
+INITIAL_SECONDS_PER_BLOCK = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +165,7 @@ class SchedulingPolicy:
         #: Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it).
         self.batch_limit = config.max_batch
         #: Moving average of one engine step (for the retry estimate).
-        self.seconds_per_block = 0.05
+        self.seconds_per_block = INITIAL_SECONDS_PER_BLOCK
         self._good_steps = 0  # since the last out-of-memory
         self._failures = 0  # consecutive failed steps
         self._breaker_since: float | None = None  # opened, or last probe failed, at
