@@ -199,10 +199,7 @@ class Stream:
         self._state = state
         self._detached_at = None
         self.outbox.attached = False
-        if self._generation is not None:
-            self._generation.abort()
-        if self.text is not None:
-            self.text.close()
+        self.cancel()  # no one will read what it would generate
 
     def _revoke(self) -> None:
         if self._lease is not None:
