@@ -18,7 +18,6 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from server import errors
-from server.core.events import EndReason
 from server.frontend import ServerInfo
 from server.outbox import Done, Frame, SegmentMark
 from server.request import SpeechRequest
@@ -230,11 +229,10 @@ def encode(message: dict[str, Any]) -> str:
     return _encoder.encode(message).decode("utf-8")
 
 
-def hello(info: ServerInfo, voices: tuple[str, ...] | None = None) -> str:
+def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
     """The first message on every connection (``weights`` when the engine says what it loaded).
 
-    ``voices``: the voice names now (voices made from recordings come and go); default
-    ``info.voices``.
+    ``voices``: the voice names now (voices made from recordings come and go).
     """
     message: dict[str, Any] = {
         "type": "hello",
@@ -243,7 +241,7 @@ def hello(info: ServerInfo, voices: tuple[str, ...] | None = None) -> str:
         "sample_rate": info.sample_rate,
         "sample_rates": list(info.sample_rates),
         "formats": list(info.formats),
-        "voices": list(info.voices if voices is None else voices),
+        "voices": list(voices),
         "max_text_chars": info.max_text_chars,
         "max_streams": info.max_streams,
         "resume_ttl_s": info.resume_ttl_s,
@@ -346,9 +344,6 @@ def error(err: ProtocolError) -> str:
     return encode(message)
 
 
-DoneReason = EndReason
-
-
 @dataclass(frozen=True, slots=True)
 class FrameHeader:
     """The 12-byte header in front of every binary audio frame."""
@@ -368,11 +363,6 @@ class FrameHeader:
     def segment_start(self) -> bool:
         """Whether a new text segment starts in this frame."""
         return bool(self.flags & FLAG_SEGMENT_START)
-
-
-def pack_frame(header: FrameHeader, payload: bytes) -> bytes:
-    """Header plus payload, ready to send as one binary message."""
-    return HEADER.pack(header.version, header.flags, header.slot, header.seq, header.sample) + payload
 
 
 def unpack_frame(frame: bytes) -> tuple[FrameHeader, bytes]:

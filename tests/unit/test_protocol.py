@@ -5,6 +5,7 @@ import json
 import pytest
 
 from server import protocol
+from server.outbox import Frame
 from server.protocol import (
     FLAG_LAST,
     FLAG_SEGMENT_START,
@@ -12,7 +13,6 @@ from server.protocol import (
     FrameHeader,
     ProtocolError,
     Start,
-    pack_frame,
     parse_client_message,
     unpack_frame,
 )
@@ -20,7 +20,10 @@ from server.protocol import (
 
 def test_header_round_trip_is_12_bytes_little_endian() -> None:
     header = FrameHeader(flags=FLAG_LAST | FLAG_SEGMENT_START, slot=3, seq=0x01020304, sample=0xA0B0C0D0)
-    frame = pack_frame(header, b"abc")
+    item = Frame(
+        position=0x01020304, payload=b"abc", sample=0xA0B0C0D0, samples=1, last=True, segment_start=True
+    )
+    frame = protocol.frame(3, item)  # what the server sends
     assert frame[:12] == bytes([1, 3, 3, 0, 4, 3, 2, 1, 0xD0, 0xC0, 0xB0, 0xA0])
     parsed, payload = unpack_frame(frame)
     assert parsed == header and payload == b"abc" and parsed.last and parsed.segment_start
