@@ -148,20 +148,20 @@ class SpeechService:
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
         """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
         segments = self._segments(request)
-        key: str | None = None
-        if self.cache is not None:
+        cache, key = self.cache, None
+        if cache is not None:
             stored = self.voices.get(request.voice)
             digest = stored.sample.digest if stored is not None else ""
-            key = cache_key(request, segments, self._engine_identity, digest)
-        cached = self.cache.get(key) if self.cache is not None and key is not None else None
-        if cached is not None:
-            outbox.load(cached.items)  # a hit: every frame is ready now, no model work
-            self.metrics.cache_hits.inc()
-            return None, None
+            key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
         on_complete = None
-        if key is not None:
+        if cache is not None and key is not None:
+            cached = cache.get(key)
+            if cached is not None:
+                outbox.load(cached.items)  # a hit: every frame is ready now, no model work
+                self.metrics.cache_hits.inc()
+                return None, None
             self.metrics.cache_misses.inc()
-            on_complete = self._storer(key)
+            on_complete = self._storer(cache, key)
         generation = self.engine.generate(GenerateRequest(segments=segments, params=self._params(request)))
         return generation, on_complete
 
@@ -240,12 +240,12 @@ class SpeechService:
         s = self.settings
         return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
 
-    def _storer(self, key: str) -> Callable[[Stream], None]:
+    def _storer(self, cache: ResponseCache, key: str) -> Callable[[Stream], None]:
         def store(stream: Stream) -> None:
             items = stream.outbox.snapshot()
-            if self.cache is not None and items is not None:
-                self.cache.put(key, items)
-                self.metrics.cache_bytes.set(self.cache.size)
+            if items is not None:
+                cache.put(key, items)
+                self.metrics.cache_bytes.set(cache.size)
 
         return store
 
@@ -313,7 +313,7 @@ class SpeechService:
         """A front end that cannot resume (HTTP) is done with the stream, delivered or not: free it."""
         if stream.state not in (StreamState.EXPIRED, StreamState.CLOSED):
             outbox = stream.outbox
-            stream.close(outbox.done_reason if outbox.ended and outbox.done_reason else "cancelled")
+            stream.close(outbox.done_reason or "cancelled")
             self.registry.remove(stream)
 
     def _free(self, stream: Stream, *, expire: bool = False) -> None:
