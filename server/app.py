@@ -139,7 +139,7 @@ class App:
                 self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics)
                 await self.http.start(http_sock)
             if wyoming_sock is not None:
-                self.wyoming = WyomingServer(self.service, self._info, s, self.metrics)
+                self.wyoming = WyomingServer(self.service, s, self.metrics)
                 await self.wyoming.start(wyoming_sock)
         except BaseException:
             await self.stop()

@@ -22,7 +22,7 @@ import socket
 from wyoming.event import Event, async_write_event
 
 from server.config import Settings
-from server.frontend import SendAborted, ServerInfo, abort_transport, send_within
+from server.frontend import SendAborted, abort_transport, send_within
 from server.limits import client_identity
 from server.metrics import Metrics
 from server.outbox import OutItem
@@ -203,13 +203,10 @@ class WyomingConnection:
 class WyomingServer:
     """The Wyoming TCP server, on the app's event loop, over the shared service."""
 
-    def __init__(
-        self, service: SpeechService, info: ServerInfo, settings: Settings, metrics: Metrics
-    ) -> None:
+    def __init__(self, service: SpeechService, settings: Settings, metrics: Metrics) -> None:
         self.service = service
         self.settings = settings
         self.metrics = metrics
-        self._server_info = info
         self._seed = settings.wyoming_seed if settings.wyoming_seed >= 0 else None
         self._server: asyncio.Server | None = None
         self._connections: dict[WyomingConnection, asyncio.Task[None]] = {}
@@ -256,7 +253,7 @@ class WyomingServer:
             return
         session = WyomingSession(
             self.service,
-            wyoming_info(self._server_info, self.service.voice_names()),  # recordings' voices too
+            wyoming_info(self.service.voice_names()),  # recordings' voices too
             client=client,
             seed=self._seed,
             abort=lambda reason: conn.abort(reason),

@@ -37,7 +37,7 @@ from wyoming.tts import (
 
 from server.config import VERSION
 from server.errors import InvalidRequest, ServiceError, Unsupported
-from server.frontend import OPENAI_VOICES, ServerInfo
+from server.frontend import OPENAI_VOICES
 from server.incremental import TextFeed
 from server.outbox import Done, Failure, Frame, OutItem
 from server.protocol import code_of
@@ -77,13 +77,12 @@ class Close:
 Action = Write | Deliver | Close
 
 
-def wyoming_info(info: ServerInfo, voice_names: tuple[str, ...] | None = None) -> Info:
+def wyoming_info(voice_names: tuple[str, ...]) -> Info:
     """The ``info`` answer to ``describe``: our voices (OpenAI's names too), zh and en, streaming.
 
-    ``voice_names``: the voice names now (voices made from recordings come and go); default
-    ``info.voices``.
+    ``voice_names``: the voice names now (voices made from recordings come and go).
     """
-    names = dict.fromkeys([*(info.voices if voice_names is None else voice_names), *OPENAI_VOICES])
+    names = dict.fromkeys([*voice_names, *OPENAI_VOICES])
     voices = [
         TtsVoice(
             name=name,
@@ -153,7 +152,6 @@ class WyomingSession:
         self.stream: Stream | None = None
         #: The stream takes ``synthesize-chunk`` text (between ``synthesize-start`` and ``-stop``).
         self.taking_text = False
-        self._streaming = False  # the stream answers with synthesize-stopped too
         self._failed = False
 
     # --- client events -------------------------------------------------------------
@@ -214,7 +212,7 @@ class WyomingSession:
         )
         lease = Lease(self._abort)
         self.stream = service.open(request, lease, resumable=False)
-        self.taking_text = self._streaming = streaming
+        self.taking_text = streaming
         start = AudioStart(rate=RATE, width=WIDTH, channels=CHANNELS, timestamp=0).event()
         return [Write(start), Deliver(self.stream, lease)]
 
@@ -247,7 +245,7 @@ class WyomingSession:
                 events.append(error_event(code, item.error.message))
             elif isinstance(item, Done) and item.reason == "complete":
                 events.append(AudioStop(timestamp=item.samples * 1000 // RATE).event())
-                if self._streaming:
+                if self.stream is not None and self.stream.text is not None:  # the streaming form
                     events.append(SynthesizeStopped().event())
         return events + _chunks(frames)
 
@@ -266,7 +264,7 @@ class WyomingSession:
 
     def _free(self) -> None:
         stream, self.stream = self.stream, None
-        self.taking_text = self._streaming = False
+        self.taking_text = False
         if stream is not None:
             self._service.abandon(stream)
 

@@ -24,7 +24,6 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
-from server.app import server_info
 from server.engine.fake import FAIL_MARKER, FAKE_VOICES, FakeEngine
 from server.frontend import OPENAI_VOICES
 from server.outbox import Frame, OutItem
@@ -47,7 +46,7 @@ def session(service: SpeechService, seed: int | None = 0) -> WyomingSession:
     errors: list[str] = []
     s = WyomingSession(
         service,
-        wyoming_info(server_info(service.settings, service.engine.info)),
+        wyoming_info(service.voice_names()),
         client="ip:10.0.0.7",
         seed=seed,
         abort=lambda reason: None,
