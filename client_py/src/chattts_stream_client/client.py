@@ -207,8 +207,7 @@ class Client:
             return
         stream.phase = "starting"
         if self._ws is not None:
-            stream._attach(restart=True)
-            await stream._send_text()
+            await stream._restart()
         # else: lost meanwhile; the reconnect sends it
 
     def _forget(self, stream: SpeechStream) -> None:
@@ -216,20 +215,13 @@ class Client:
         if stream.slot is not None and self._by_slot.get(stream.slot) is stream:
             del self._by_slot[stream.slot]
 
-    @property
-    def _connected(self) -> bool:
-        return self._ws is not None and self.hello is not None
-
     async def _send(self, message: dict[str, Any]) -> None:
-        await self._send_raw(json.dumps(message, ensure_ascii=False))
-
-    async def _send_raw(self, text: str) -> None:
         ws = self._ws
         if ws is None:
             return  # the stream is resumed or restarted on the next connection
         try:
             async with asyncio.timeout(self.connect_timeout):
-                await ws.send(text)
+                await ws.send(json.dumps(message, ensure_ascii=False))
         except (ConnectionClosed, TimeoutError):
             ws.transport.abort()  # the reader sees the loss and reconnects
 
@@ -398,5 +390,4 @@ class Client:
                 self._resuming.append(stream)
                 await self._send({"type": "resume", "stream": stream.token, "after_seq": stream.last_seq})
             elif stream.phase == "starting":
-                stream._attach(restart=True)
-                await stream._send_text()
+                await stream._restart()

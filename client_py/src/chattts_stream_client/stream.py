@@ -164,15 +164,15 @@ class SpeechStream:
 
     # --- the client's side -------------------------------------------------------
 
-    def _attach(self, *, restart: bool) -> None:
-        """Text may go out on the client's current connection; ``restart``: ``start`` goes first.
+    async def _restart(self) -> None:
+        """A new stream on the server over the client's current connection: ``start``, then all the text.
 
-        A new stream on the server (``restart``) has none of the text, so all of it is sent.
+        The new stream has none of the text, so all of it is sent.
         """
         self._connection = self._client._ws
-        if restart:
-            self._start_due = True
-            self._text_sent = 0
+        self._start_due = True
+        self._text_sent = 0
+        await self._send_text()
 
     async def _send_text(self) -> None:
         """Send ``start`` if due, then the logged text messages not sent on this connection yet.
@@ -213,19 +213,17 @@ class SpeechStream:
         self.resumes += 1
         if self.phase in ("starting", "detached"):
             self.phase = "live"
-        self._attach(restart=False)
+        self._connection = self._client._ws  # text may go out on this connection again
         received = message.get("text_received")
         if isinstance(received, int) and not isinstance(received, bool):
             # The server read this many: forget those, send the rest again (lost in flight).
             arrived = min(max(received - self._text_confirmed, 0), len(self._text_log))
-            del self._text_log[:arrived]
-            self._text_confirmed += arrived
-            self._text_sent = 0
         else:
             # A server without ``text_received``: what went out is taken as arrived (protocol v1).
-            del self._text_log[: self._text_sent]
-            self._text_confirmed += self._text_sent
-            self._text_sent = 0
+            arrived = self._text_sent
+        del self._text_log[:arrived]
+        self._text_confirmed += arrived
+        self._text_sent = 0
 
     def _on_segment(self, message: dict[str, Any]) -> None:
         key = (int(message["seq"]), int(message["sample"]))
