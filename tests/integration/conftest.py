@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -10,8 +11,23 @@ import pytest
 
 from server.app import App
 from server.config import Settings, load_settings
+from server.engine.fake import FakeEngine
 
 MakeApp = Callable[..., Any]
+
+
+def fake_engine(app: App) -> FakeEngine:
+    """The app's engine, which these tests run as the fake one."""
+    engine = app.engine_client.engine
+    assert isinstance(engine, FakeEngine)
+    return engine
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    """Wait (bounded) until ``predicate()`` holds."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
 
 
 def fake_settings(*flags: str) -> Settings:

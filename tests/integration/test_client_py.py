@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import chattts_stream_client as cs
 from server import protocol as server_protocol
 from server.app import App
-from server.engine.fake import FAIL_MARKER, FakeEngine
-from tests.integration.conftest import fake_settings
+from server.engine.fake import FAIL_MARKER
+from tests.integration.conftest import fake_engine, fake_settings
 from tests.integration.test_incremental import ANSWER, llm_tokens
 from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
@@ -40,12 +40,6 @@ async def raw_stream(port: int, **fields: Any) -> tuple[list[tuple[int, int, boo
 
 def as_tuples(chunks: list[cs.AudioChunk]) -> list[tuple[int, int, bool, bytes]]:
     return [(c.seq, c.sample, c.last, c.data) for c in chunks]
-
-
-def fake_engine(app: App) -> FakeEngine:
-    engine = app.engine_client.engine
-    assert isinstance(engine, FakeEngine)
-    return engine
 
 
 # --- acceptance 1: cuts, resume, byte for byte ---------------------------------------------------

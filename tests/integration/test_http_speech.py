@@ -20,22 +20,16 @@ from openai import AsyncOpenAI
 from server.app import App
 from server.audio.pcm import to_pcm16
 from server.engine.base import SequenceRequest, SynthesisParams
-from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
+from server.engine.fake import FAIL_MARKER, expected_audio
 from server.errors import StartupError
 from server.frontend import OPENAI_VOICES
 from server.http_api import wav_header
 from server.text import split_segments
-from tests.integration.conftest import fake_settings
+from tests.integration.conftest import fake_engine, fake_settings, wait_until
 from tests.wsclient import open_client, stream_payload
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"
 LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a row. " * 6
-
-
-def fake_engine(app: App) -> FakeEngine:
-    engine = app.engine_client.engine
-    assert isinstance(engine, FakeEngine)
-    return engine
 
 
 def base_url(app: App) -> str:
@@ -45,12 +39,6 @@ def base_url(app: App) -> str:
 
 def client(app: App) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=base_url(app), api_key="x", max_retries=0)
-
-
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def ws_payload(app: App, **fields: Any) -> bytes:

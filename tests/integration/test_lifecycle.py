@@ -11,23 +11,11 @@ import pytest
 from websockets.asyncio.client import connect
 
 from server.app import App
-from server.engine.fake import FakeEngine
 from server.text import split_segments
+from tests.integration.conftest import fake_engine, wait_until
 from tests.wsclient import collect, open_client, recv, recv_json, start, url
 
 LONG_TEXT = "This long sentence keeps the fake engine busy for many blocks in a row. " * 6
-
-
-def fake_engine(app: App) -> FakeEngine:
-    engine = app.engine_client.engine
-    assert isinstance(engine, FakeEngine)
-    return engine
-
-
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def test_cancel_mid_stream_frees_slot_and_engine_work(make_app: Any) -> None:

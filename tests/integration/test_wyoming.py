@@ -29,11 +29,11 @@ from wyoming.tts import (
 
 from server.app import App
 from server.config import Settings
-from server.engine.fake import FAKE_VOICES, FakeEngine
+from server.engine.fake import FAKE_VOICES
 from server.errors import StartupError
 from server.frontend import OPENAI_VOICES
 from server.wyoming_api import exposure_problem
-from tests.integration.conftest import MakeApp, fake_settings
+from tests.integration.conftest import MakeApp, fake_engine, fake_settings, wait_until
 from tests.integration.test_incremental import ANSWER, llm_tokens
 from tests.integration.test_voices import encoded, form, recording, upload
 from tests.wsclient import stream_payload
@@ -86,18 +86,6 @@ async def refused(app: App, *events: Event) -> Error:
         assert answer is not None and Error.is_type(answer.type), answer
         assert await read(c) is None  # the server closed the connection
     return Error.from_event(answer)
-
-
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
-def fake_engine(app: App) -> FakeEngine:
-    engine = app.engine_client.engine
-    assert isinstance(engine, FakeEngine)
-    return engine
 
 
 # --- describe, synthesize, the streaming form ------------------------------------------------
