@@ -34,7 +34,7 @@ TEXTS = [
     "Your order has shipped and arrives on Friday.",
     "今天天气很好，我们出去走走吧。",
 ]
-SAMPLE_RATE, SAMPLES_PER_TOKEN = 24_000, 512
+SAMPLE_RATE = 24_000
 
 
 def job_tokens(k: int, low: int, span: int) -> int:
