@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 from wyoming.audio import AudioChunk, AudioStop
@@ -17,10 +16,8 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 import chattts_stream_client as cs
 from server.app import App
-from server.config import load_settings
 from tests.integration.test_client_py import raw_stream
 from tests.integration.test_resume import broken_run, unbroken
-from tests.model.helpers import TEST_DEVICE
 from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
 
@@ -29,33 +26,9 @@ pytestmark = pytest.mark.loopback  # our own server on 127.0.0.1, nothing else
 
 
 @pytest.fixture
-async def model_app(tiny_model_dir: Path) -> AsyncIterator[App]:
-    settings = load_settings(
-        [
-            "--engine",
-            "chattts",
-            "--model-dir",
-            str(tiny_model_dir),
-            "--device",
-            TEST_DEVICE,
-            "--dtype",
-            "float32",
-            "--port",
-            "0",
-            "--cache-bytes",
-            "0",
-            "--resume-ttl-s",
-            "30",
-            "--wyoming-port",
-            "-1",
-        ],
-        env={},
-    )
-    app = App(settings)
-    await app.start()
-    await app.warmed_up.wait()
-    yield app
-    await app.stop()
+async def model_app(make_model_app: Any) -> App:
+    app: App = await make_model_app("--resume-ttl-s", "30", "--wyoming-port", "-1")
+    return app
 
 
 async def test_three_sentences_stream_with_token_implied_lengths(model_app: App) -> None:
