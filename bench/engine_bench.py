@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def model_kind(model_dir: Path) -> str:
 
 def command(module: str) -> str:
     """The command line that is running, as ``python -m <module> ...``."""
-    return f"python -m {module} " + " ".join(sys.argv[1:])
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])  # quoted: it can be run again as it is
 
 
 def report_header(title: str, report: dict[str, Any]) -> list[str]:
