@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from server.engine.base import SequenceRequest, SynthesisParams
-from server.engine.chattts import ChatTTSEngine
-from server.engine.chattts_assets import load_chat
-from server.engine.chattts_decode import StreamDecoder
-from server.engine.chattts_devmodel import make_dev_model
+from server.engine.chattts.assets import load_chat
+from server.engine.chattts.decode import StreamDecoder
+from server.engine.chattts.devmodel import make_dev_model
+from server.engine.chattts.engine import ChatTTSEngine
+from server.engine_api import SequenceRequest, SynthesisParams
 
 TEXT = "Streaming speech should start quickly and never click between chunks."
 SEED = 11

@@ -35,8 +35,8 @@ import torch
 
 from bench.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.machine import describe_machine
-from server.engine.base import SequenceRequest, SynthesisParams
-from server.engine.chattts import ChatTTSEngine
+from server.engine.chattts.engine import ChatTTSEngine
+from server.engine_api import SequenceRequest, SynthesisParams
 
 SAMPLES_PER_TOKEN = 512
 RATE = 24_000

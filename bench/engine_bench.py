@@ -35,7 +35,7 @@ def prepare(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.make_model and not (args.model_dir / "DEV_MODEL.json").is_file():
-        from server.engine.chattts_devmodel import make_dev_model
+        from server.engine.chattts.devmodel import make_dev_model
 
         make_dev_model("full", args.model_dir)
 

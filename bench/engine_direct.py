@@ -53,9 +53,9 @@ def main() -> int:
     parser.add_argument("--segment-max-chars", type=int, default=120)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from server.engine.base import SequenceRequest, SynthesisParams
-    from server.engine.chattts import ChatTTSEngine
-    from server.text import split_segments
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine_api import SequenceRequest, SynthesisParams
+    from server.text.segments import split_segments
 
     began = time.perf_counter()
     engine = ChatTTSEngine.load(

@@ -48,9 +48,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from server.engine.chattts import ChatTTSEngine
-    from server.engine.chattts_graphs import EagerRunner
-    from server.engine.chattts_slots import bucket_for
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.step.graphs import EagerRunner
+    from server.engine.chattts.step.kv import bucket_for
 
     began = time.perf_counter()
     engine = ChatTTSEngine.load(

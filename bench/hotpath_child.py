@@ -73,20 +73,20 @@ class Profile:
 
 def instrument_engine(profile: Profile) -> None:
     """Wrap the Llama, sampling, decode and prefill of whichever engine version is imported."""
-    import server.engine.chattts as engine_module
+    import server.engine.chattts.engine as engine_module
 
     cls = engine_module.ChatTTSEngine
     cls._prefill = profile.wrap("prefill", cls._prefill)  # type: ignore[method-assign]
     try:  # this tree: static step
-        import server.engine.chattts_block as block
-        import server.engine.chattts_step as step
+        import server.engine.chattts.step.runner as block
+        import server.engine.chattts.step.token_step as step
 
         step.TokenStep._feed = profile.wrap("llama", step.TokenStep._feed)  # type: ignore[method-assign]
         step.sample_codes = profile.wrap("sampling", step.sample_codes)
         step.counter_uniforms = profile.wrap("sampling", step.counter_uniforms)
         block.SlotBatch._decode = profile.wrap("decode", block.SlotBatch._decode)  # type: ignore[method-assign]
     except ImportError:  # before: row groups
-        from server.engine.chattts_decode import StreamDecoder
+        from server.engine.chattts.decode import StreamDecoder
 
         engine_module.sample_codes = profile.wrap("sampling", engine_module.sample_codes)  # type: ignore[attr-defined]
         cls._sampling = profile.wrap("sampling", cls._sampling)  # type: ignore[attr-defined]
@@ -100,8 +100,8 @@ class EngineSystem:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from server.engine.chattts import ChatTTSEngine
-        from server.engine.chattts_assets import load_chat
+        from server.engine.chattts.assets import load_chat
+        from server.engine.chattts.engine import ChatTTSEngine
 
         self.args, self.profile = args, Profile()
         instrument_engine(self.profile)
@@ -117,7 +117,7 @@ class EngineSystem:
         self._loop: dict[str, Any] | None = None  # the closed loop kept running between slices
 
     def add(self, k: int, tokens: int) -> int:
-        from server.engine.base import SequenceRequest, SynthesisParams
+        from server.engine_api import SequenceRequest, SynthesisParams
 
         sid = next(self._seq)
         params = SynthesisParams(seed=1000 + k)
@@ -204,7 +204,7 @@ class NativeSystem:
         from ChatTTS.model import processors
         from transformers.generation import TopKLogitsWarper, TopPLogitsWarper
 
-        from server.engine.chattts_assets import load_chat
+        from server.engine.chattts.assets import load_chat
 
         self.profile = Profile()
         began = time.perf_counter()

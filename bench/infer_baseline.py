@@ -120,7 +120,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import torch
 
-    from server.engine.chattts_assets import load_chat
+    from server.engine.chattts.assets import load_chat
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,9 +35,9 @@ import torch
 from bench.dtype import TEXTS
 from bench.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.machine import describe_machine
-from server.engine.base import SequenceRequest, SynthesisParams
-from server.engine.chattts import ChatTTSEngine
-from server.engine.chattts_refine import RefineJob, RefineParams, Refiner, RefineRow, TextRefineJob
+from server.engine.chattts.engine import ChatTTSEngine
+from server.engine.chattts.refine import RefineJob, RefineParams, Refiner, RefineRow, TextRefineJob
+from server.engine_api import SequenceRequest, SynthesisParams
 
 #: Audio tokens each sequence is allowed (only its first block is waited for).
 SPEECH_TOKENS = 64

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from server.engine.base import SequenceRequest, SynthesisParams
-from server.engine.chattts import ChatTTSEngine
+from server.engine.chattts.engine import ChatTTSEngine
+from server.engine_api import SequenceRequest, SynthesisParams
 
 WORDS = ["你好", "世界", "hello", "world", "speech", "语音", "合成", "测试", "streaming", "server"]
 

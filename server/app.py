@@ -19,19 +19,20 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 
 from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
 from server.config import Settings
-from server.connection import Connection
 from server.core.client import EngineClient
 from server.core.policy import PolicyConfig
-from server.engine.base import Engine, EngineInfo
+from server.core.warmup import warm_up
+from server.engine_api import Engine, EngineInfo
 from server.errors import ServiceError, StartupError
-from server.frontend import AccessDenied, AccessGate, ServerInfo
-from server.http_api import HttpApi
+from server.frontends.access import AccessDenied, AccessGate
+from server.frontends.common import ServerInfo
+from server.frontends.http.api import HttpApi
+from server.frontends.websocket.connection import Connection
+from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
+from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
-from server.routes import STREAM_PATH, Probes, Routes
-from server.service import SpeechService
-from server.voices import settings_problem
-from server.warmup import warm_up
-from server.wyoming_api import WyomingServer, exposure_problem
+from server.streams.service import SpeechService
+from server.voices.library import settings_problem
 
 log = logging.getLogger(__name__)
 

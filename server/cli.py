@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chattts-stream`` console script."""
     args = _parser().parse_args(argv)
     if args.command == "make-dev-model":
-        from server.engine.chattts_devmodel import make_dev_model
+        from server.engine.chattts.devmodel import make_dev_model
 
         make_dev_model(args.size, args.directory, seed=args.seed)
         print(f"wrote a random-weight {args.size} ChatTTS model to {args.directory}")

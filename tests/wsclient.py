@@ -9,7 +9,7 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from server.protocol import FrameHeader, unpack_frame
+from server.frontends.websocket.wire import FrameHeader, unpack_frame
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ import soundfile
 
 from server.audio.base import EncodedFrame
 from server.audio.pcm import to_pcm16
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 #: libFLAC's default block size as libsndfile uses it: samples per FLAC frame.
 FLAC_BLOCK = 4096

@@ -38,7 +38,7 @@ import numpy as np
 
 from server.audio.base import EncodedFrame
 from server.audio.pcm import to_pcm16
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 #: Rates this encoder produces (no resampling inside LAME: the stream is resampled before).
 MP3_RATES = (8_000, 16_000, 24_000, 48_000)

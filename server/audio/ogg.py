@@ -41,7 +41,7 @@ from server.audio.opus import (
     OpusStreamEncoder,
     libopus_version,
 )
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 #: Default longest audio per Ogg page, in ms (5 packets): a small page-header
 #: overhead (~8% at 32 kbit/s) while bounding what a page holds back.

@@ -41,7 +41,7 @@ import numpy as np
 import opuslib
 
 from server.audio.base import EncodedFrame
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 #: Sample rates libopus encodes natively.
 OPUS_RATES = (8_000, 12_000, 16_000, 24_000, 48_000)

@@ -6,7 +6,7 @@ import numpy as np
 
 from server.audio.base import EncodedFrame
 from server.audio.mulaw import to_mulaw
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 FRAME_MS = 20
 

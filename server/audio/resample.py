@@ -24,7 +24,7 @@ import numpy as np
 import soxr
 
 from server.audio.base import EncodedFrame, FrameEncoder
-from server.engine.base import AudioArray
+from server.engine_api import AudioArray
 
 #: libsoxr quality presets accepted by :class:`StreamResampler`.
 RESAMPLE_QUALITIES = ("QQ", "LQ", "MQ", "HQ", "VHQ")

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 from server.core.engine_core import EngineCore
 from server.core.events import (
@@ -32,12 +33,14 @@ from server.core.events import (
     Admission,
     Append,
     Audio,
+    BreakerChanged,
     Cancel,
     Capacity,
     CoreEvent,
     EncodeVoice,
     Ended,
     EndInput,
+    Heartbeat,
     Loaded,
     LoadFailed,
     Ready,
@@ -47,7 +50,7 @@ from server.core.events import (
     VoiceEncoded,
 )
 from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig, refusal
-from server.engine.base import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
+from server.engine_api import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
 from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
 from server.metrics import Metrics
 
@@ -285,25 +288,30 @@ class EngineClient:
         self._heard = time.monotonic()
         generations = self._generations
         for event in events:
-            if isinstance(event, SegmentStarted | Audio | Ended):
-                generation = generations.get(event.stream_id)
-                if generation is not None:
-                    generation._push(event)
-                    if isinstance(event, Ended):
-                        del generations[event.stream_id]
-            elif isinstance(event, Capacity):
-                self._capacity = event
-                self._count_queue()
-            elif isinstance(event, VoiceEncoded):
-                future = self._encodes.get(event.request_id)
-                if future is not None and not future.done():
-                    future.set_result(event)
-            elif isinstance(event, Ready):
-                self._ready.set()
-            elif isinstance(event, Loaded | LoadFailed):
-                self._on_load(event)
-            elif isinstance(event, Stopped):
-                self._on_stopped()
+            match event:
+                case SegmentStarted() | Audio() | Ended():
+                    generation = generations.get(event.stream_id)
+                    if generation is not None:
+                        generation._push(event)
+                        if isinstance(event, Ended):
+                            del generations[event.stream_id]
+                case Capacity():
+                    self._capacity = event
+                    self._count_queue()
+                case VoiceEncoded():
+                    future = self._encodes.get(event.request_id)
+                    if future is not None and not future.done():
+                        future.set_result(event)
+                case Ready():
+                    self._ready.set()
+                case Loaded() | LoadFailed():
+                    self._on_load(event)
+                case Stopped():
+                    self._on_stopped()
+                case BreakerChanged() | Heartbeat():
+                    pass  # the breaker's state arrives with the next Capacity; a heartbeat only says alive
+                case _:
+                    assert_never(event)
 
     def _on_load(self, event: Loaded | LoadFailed) -> None:
         if self._loaded is None or self._loaded.done():

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import assert_never
 
 from server.core.events import (
     Add,
@@ -31,6 +32,7 @@ from server.core.events import (
     Loaded,
     LoadFailed,
     Ready,
+    Shutdown,
     Stopped,
     VoiceEncoded,
 )
@@ -47,7 +49,7 @@ from server.core.policy import (
     StepFailed,
     Stepped,
 )
-from server.engine.base import Engine, EngineOutOfMemory
+from server.engine_api import Engine, EngineOutOfMemory
 from server.errors import StartupError
 from server.metrics import Metrics
 
@@ -182,28 +184,33 @@ class EngineCore:
 
     def _apply(self, command: Command) -> list[CoreEvent]:
         policy = self._policy
-        if isinstance(command, Add):
-            self._adds_taken += 1
-            return list(
-                policy.add(
-                    command.stream_id,
-                    command.segments,
-                    command.params,
-                    input_closed=command.input_closed,
-                    now=self._clock(),
+        match command:
+            case Add():
+                self._adds_taken += 1
+                now = self._clock()
+                return list(
+                    policy.add(
+                        command.stream_id,
+                        command.segments,
+                        command.params,
+                        input_closed=command.input_closed,
+                        now=now,
+                    )
                 )
-            )
-        if isinstance(command, Append):
-            return list(policy.append(command.stream_id, command.text, self._clock()))
-        if isinstance(command, EndInput):
-            return list(policy.end_input(command.stream_id))
-        if isinstance(command, Cancel):
-            return list(policy.cancel(command.stream_id))
-        if isinstance(command, EncodeVoice):
-            self._encodes.append(command)
-            return []
-        self._stop = True  # Shutdown: commands after it are not taken
-        return []
+            case Append(stream_id=stream_id, text=text):
+                return list(policy.append(stream_id, text, self._clock()))
+            case EndInput(stream_id=stream_id):
+                return list(policy.end_input(stream_id))
+            case Cancel(stream_id=stream_id):
+                return list(policy.cancel(stream_id))
+            case EncodeVoice():
+                self._encodes.append(command)
+                return []
+            case Shutdown():
+                self._stop = True  # commands after it are not taken
+                return []
+            case _:
+                assert_never(command)
 
     def _encode(self, engine: Engine, command: EncodeVoice) -> VoiceEncoded:
         """A recording's codes (it blocks the loop for one encoder pass, like a step would)."""

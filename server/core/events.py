@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from server.engine.base import AudioArray, Codes, EngineInfo, SynthesisParams
+from server.engine_api import AudioArray, Codes, EngineInfo, SynthesisParams
 
 #: Why a stream ended: all of it was generated, it was cancelled, or the engine failed.
 EndReason = Literal["complete", "cancelled", "error"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.core.events import Audio, SegmentStarted, StreamEvent
-from server.engine.base import AudioArray, SynthesisParams
+from server.engine_api import AudioArray, SynthesisParams
 
 
 @dataclass(eq=False)

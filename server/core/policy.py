@@ -35,10 +35,11 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
 from server.core.plan import StreamPlan
-from server.engine.base import SequenceRequest, StepResult, SynthesisParams
+from server.engine_api import SequenceRequest, StepResult, SynthesisParams
 
 BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
 FAILED_MESSAGE = "the model failed while generating this stream"
@@ -274,17 +275,22 @@ class SchedulingPolicy:
 
     def update(self, batch: Batch, outcome: Outcome, now: float) -> list[CoreEvent]:
         """What the step (or probe) of ``batch`` did; returns the events it releases."""
-        if isinstance(outcome, Probed):
-            return self._probed(outcome.ok, now)
-        if isinstance(outcome, OutOfMemory):
-            if len(batch.step) > 1:
+        match outcome:
+            case Probed(ok=ok):
+                return self._probed(ok, now)
+            case OutOfMemory() if len(batch.step) > 1:
                 # Retry at once with the first half; the rest stay paused in the engine.
                 self.batch_limit = max(1, len(batch.step) // 2)
                 self._good_steps = 0
                 return []
-            outcome = StepFailed("out of memory with a batch of one")
-        if isinstance(outcome, StepFailed):
-            return self._failed(batch.step, now)
+            case OutOfMemory() | StepFailed():  # out of memory with a batch of one: a failure
+                return self._failed(batch.step, now)
+            case Stepped():
+                return self._stepped(outcome, now)
+            case _:
+                assert_never(outcome)
+
+    def _stepped(self, outcome: Stepped, now: float) -> list[CoreEvent]:
         self._failures = 0
         self._grow_batch_limit()
         self.seconds_per_block = 0.8 * self.seconds_per_block + 0.2 * outcome.elapsed_s

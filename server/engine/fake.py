@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.engine.base import (
+from server.engine_api import (
     AudioArray,
     Codes,
     EngineError,

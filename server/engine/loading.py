@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from server.config import Settings
 from server.errors import StartupError
-from server.voice_audio import transcript_limit
+from server.voices.recording import transcript_limit
 
 if TYPE_CHECKING:
-    from server.engine.base import Engine
+    from server.engine_api import Engine
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,9 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         raise ModelUnavailable(f"--refine-max-tokens {settings.refine_max_tokens}: must be 0 (off) or more")
 
     def build() -> Engine:
-        from server.engine.chattts import ChatTTSEngine
-        from server.engine.chattts_assets import ModelUnavailableError
-        from server.engine.chattts_devmodel import make_dev_model
+        from server.engine.chattts.assets import ModelUnavailableError
+        from server.engine.chattts.devmodel import make_dev_model
+        from server.engine.chattts.engine import ChatTTSEngine
 
         model_dir: Path | None = Path(settings.model_dir).expanduser() if settings.model_dir else None
         if settings.dev_model:

@@ -25,7 +25,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server.config import Settings, load_settings
-from server.wyoming_api import exposure_problem
+from server.frontends.wyoming.server import exposure_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

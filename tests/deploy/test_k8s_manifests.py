@@ -24,15 +24,15 @@ import yaml
 
 from server.config import Settings, load_settings
 from server.errors import StartupError
-from server.frontend import read_api_keys
+from server.frontends.access import read_api_keys
+from server.frontends.wyoming.server import exposure_problem
 from server.metrics import Metrics
-from server.wyoming_api import exposure_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 ADAPTER = ROOT / "deploy" / "prometheus-adapter"
 INGRESS_NGINX_VALUES = ROOT / "deploy" / "ingress-nginx" / "values.yaml"
-HTTP_API_SOURCE = ROOT / "server" / "http_api.py"
+HTTP_API_SOURCE = ROOT / "server" / "frontends" / "http" / "api.py"
 #: Oldest Kubernetes minor the manifests support, and the newest the schemas know.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 #: Custom resources (no schema in kubernetes-validate): checked by hand below.

@@ -32,9 +32,9 @@ import pytest
 from websockets.sync.client import connect
 
 from server.audio.pcm import to_pcm16
-from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import expected_audio
-from server.text import split_segments
+from server.engine_api import SequenceRequest, SynthesisParams
+from server.text.segments import split_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client_js"

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chattts_stream_client as cs
-from server import protocol as server_protocol
 from server.app import App
 from server.engine.fake import FAIL_MARKER
+from server.frontends.websocket import wire as server_protocol
 from tests.integration.conftest import fake_engine, fake_settings
 from tests.integration.test_incremental import ANSWER, llm_tokens
 from tests.tcp_proxy import CuttableProxy

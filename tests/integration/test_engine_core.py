@@ -18,8 +18,8 @@ import pytest
 from server.core.client import EngineClient, GenerateRequest, Generation
 from server.core.events import Ended, SegmentStarted, StreamEvent
 from server.core.policy import PolicyConfig
-from server.engine.base import SynthesisParams
 from server.engine.fake import FAIL_MARKER, FakeEngine
+from server.engine_api import SynthesisParams
 from server.errors import EngineUnavailable, Overloaded
 from server.metrics import Metrics
 

@@ -8,8 +8,8 @@ import urllib.request
 from typing import Any
 
 from server.app import App
+from server.core.warmup import WARMUP_TEXTS
 from server.engine.fake import FakeEngine
-from server.warmup import WARMUP_TEXTS
 from tests.integration.conftest import fake_settings
 
 

@@ -19,12 +19,12 @@ from openai import AsyncOpenAI
 
 from server.app import App
 from server.audio.pcm import to_pcm16
-from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import FAIL_MARKER, expected_audio
+from server.engine_api import SequenceRequest, SynthesisParams
 from server.errors import StartupError
-from server.frontend import OPENAI_VOICES
-from server.http_api import wav_header
-from server.text import split_segments
+from server.frontends.common import OPENAI_VOICES
+from server.frontends.http.api import wav_header
+from server.text.segments import split_segments
 from tests.integration.conftest import fake_engine, fake_settings, wait_until
 from tests.wsclient import open_client, stream_payload
 

@@ -50,7 +50,7 @@ async def test_llm_feed_speaks_sentence_one_early_and_matches_one_shot_audio(app
             if isinstance(raw, bytes):
                 if not log.frames:
                     order.append("first_audio")
-                from server.protocol import unpack_frame
+                from server.frontends.websocket.wire import unpack_frame
                 from tests.wsclient import Frame
 
                 header, payload = unpack_frame(raw)

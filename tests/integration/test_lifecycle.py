@@ -11,7 +11,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from server.app import App
-from server.text import split_segments
+from server.text.segments import split_segments
 from tests.integration.conftest import fake_engine, wait_until
 from tests.wsclient import collect, open_client, recv, recv_json, start, url
 

@@ -15,9 +15,9 @@ from openai import AsyncOpenAI
 
 from server.app import App
 from server.audio.pcm import to_pcm16
-from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import expected_audio
-from server.text import split_segments
+from server.engine_api import SequenceRequest, SynthesisParams
+from server.text.segments import split_segments
 from tests.integration.test_http_speech import assert_openai_error, base_url, post
 from tests.wsclient import collect, open_client, start
 

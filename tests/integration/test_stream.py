@@ -6,10 +6,10 @@ import numpy as np
 
 from server.app import App
 from server.audio.pcm import to_pcm16
-from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import expected_audio
-from server.protocol import FLAG_LAST, FLAG_SEGMENT_START
-from server.text import split_segments
+from server.engine_api import SequenceRequest, SynthesisParams
+from server.frontends.websocket.wire import FLAG_LAST, FLAG_SEGMENT_START
+from server.text.segments import split_segments
 from tests.wsclient import collect, open_client, start
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"

@@ -22,8 +22,8 @@ import soundfile
 from openai import AsyncOpenAI
 
 from server.app import App
-from server.engine.base import VoiceSample
 from server.engine.fake import FAKE_VOICE_ENCODER
+from server.engine_api import VoiceSample
 from tests.integration.test_http_speech import assert_openai_error, base_url
 from tests.integration.test_refine import expected
 from tests.wsclient import collect, open_client, start

@@ -89,7 +89,7 @@ def _no_network_in_model_tests(request: pytest.FixtureRequest) -> Iterator[None]
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from server.engine.chattts_devmodel import make_dev_model
+    from server.engine.chattts.devmodel import make_dev_model
 
     directory = tmp_path_factory.mktemp("tiny-chattts")
     with network_refused():
@@ -100,7 +100,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
     """One fp32 engine for the session (fp32: the in-batch determinism test needs it)."""
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     with network_refused():
         engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32")

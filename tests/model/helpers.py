@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from server.engine.base import SequenceRequest
+from server.engine_api import SequenceRequest
 
 #: Where engine tests run the model: ``cpu`` (CI), or ``cuda`` (``python -m bench.gpu`` sets it).
 TEST_DEVICE = os.environ.get("CHATTTS_TEST_DEVICE", "cpu")
@@ -55,7 +55,7 @@ def full_size_decoder_and_vocos() -> tuple[Any, Any]:
     from vocos import Vocos
     from vocos.pretrained import instantiate_class
 
-    from server.engine.chattts_devmodel import _scale_layer_scales
+    from server.engine.chattts.devmodel import _scale_layer_scales
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from server.engine.base import SequenceRequest
-from server.engine.chattts_batch import (
+from server.engine.chattts.step.sampling import (
     PENALTY_WINDOW,
     RowSampling,
     counter_uniforms,
     sample_codes,
     stream_key,
 )
+from server.engine_api import SequenceRequest
 
 
 def plain_generation(engine: Any, request: SequenceRequest) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from server.engine.chattts_assets import ModelUnavailableError, fetch_official, load_chat, read_dev_manifest
+from server.engine.chattts.assets import ModelUnavailableError, fetch_official, load_chat, read_dev_manifest
 
 pytestmark = pytest.mark.model
 
@@ -54,7 +54,7 @@ def _assert_actionable(exc: ModelUnavailableError) -> None:
 
 
 def test_offline_env_fails_fast(tmp_path: Path) -> None:
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     # Fast because nothing is tried: the autouse fixture fails any connect or DNS lookup.
     with pytest.raises(ModelUnavailableError) as info:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.base import Engine, EngineError, SequenceRequest, SynthesisParams
-from server.engine.chattts_decode import StreamDecoder, samples_for_tokens
+from server.engine.chattts.decode import StreamDecoder, samples_for_tokens
+from server.engine_api import Engine, EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
 
 pytestmark = pytest.mark.model
@@ -210,7 +210,7 @@ def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: py
 
 
 def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16", min_tokens=50)
     try:
@@ -240,7 +240,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
     One kernel shape per prompt length made the CPU process grow without end in the soak
     (bench/results/rss_shapes_tiny_cpu.md); this pins the mechanism that keeps it flat.
     """
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     engine = ChatTTSEngine.load(
         model_dir=tiny_model_dir,
@@ -269,7 +269,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
 
 def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_dir: Any) -> None:
     """Right padding is invisible to causal attention: the audio equals an unpadded prefill's."""
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     assert tiny_engine.prefill_bucket > 1
     exact = ChatTTSEngine.load(

@@ -31,13 +31,13 @@ pytestmark = pytest.mark.model
 
 
 def _full_size_decode_fn() -> object:
-    from server.engine.chattts_decode import make_decode_fn
+    from server.engine.chattts.decode import make_decode_fn
 
     return make_decode_fn(*full_size_decoder_and_vocos())
 
 
 def test_streamed_audio_matches_one_shot_decode() -> None:
-    from server.engine.chattts_decode import StreamDecoder, samples_for_tokens
+    from server.engine.chattts.decode import StreamDecoder, samples_for_tokens
 
     decode = _full_size_decode_fn()
     n_tokens = 300

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.base import EngineError, SequenceRequest, SynthesisParams
+from server.engine_api import EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
 from tests.model.reference import HostReads, RecordingRunner, plain_generation
 
@@ -45,7 +45,7 @@ def req(seq_id: int, text: str, *, seed: int = 7, max_tokens: int = 48, **kw: An
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     options = {"max_batch": 8, "step_runner": RecordingRunner}
     eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", **options)
@@ -134,7 +134,7 @@ def _forced(engine: Any, ids: list[int]) -> None:
 
 def test_at_most_one_host_read_per_token_whatever_the_batch(tiny_model_dir: Path) -> None:
     """Host reads per step: one per token plus a constant per block, the same at batch 1 and 8."""
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     eng = ChatTTSEngine.load(
         model_dir=tiny_model_dir,
@@ -218,7 +218,7 @@ def test_join_and_leave_never_copy_other_rows_kv(engine: Any) -> None:
 
 
 def test_segment_max_tokens_caps_sequences_and_sizes_the_slots(tiny_model_dir: Path) -> None:
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     # No refinement and no voices from recordings: the longest prompt is a 120-character segment's.
     options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100, "refine_max_tokens": 0}

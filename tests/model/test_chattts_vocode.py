@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.chattts_decode import make_decode_fn, samples_for_tokens
+from server.engine.chattts.decode import make_decode_fn, samples_for_tokens
 from tests.model.helpers import full_size_decoder_and_vocos
 
 pytestmark = pytest.mark.model
@@ -37,7 +37,7 @@ def _windows(lengths: list[int], seed: int = 3) -> list[torch.Tensor]:
 def test_each_row_of_a_batched_decode_equals_its_decode_alone(
     modules: tuple[Any, Any], max_waste: float | None
 ) -> None:
-    from server.engine.chattts_vocode import BatchVocoder
+    from server.engine.chattts.vocode import BatchVocoder
 
     decoder, vocos = modules
     windows = _windows(LENGTHS)
@@ -55,7 +55,7 @@ def test_each_row_of_a_batched_decode_equals_its_decode_alone(
 
 def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any]) -> None:
     """With the per-row masks off, padding leaks into the shorter rows (so the test above can fail)."""
-    from server.engine.chattts_vocode import BatchVocoder
+    from server.engine.chattts.vocode import BatchVocoder
 
     class Unmasked(BatchVocoder):
         def _mask_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -71,7 +71,7 @@ def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any]) -> None:
 
 def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> None:
     """ChatTTS's own one-shot decode through the same modules is unchanged by the vocoder's hooks."""
-    from server.engine.chattts_vocode import BatchVocoder
+    from server.engine.chattts.vocode import BatchVocoder
 
     decoder, vocos = modules
     window = _windows([20])[0]

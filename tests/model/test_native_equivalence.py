@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.base import SequenceRequest, SynthesisParams, VoiceSample
-from server.normalize import speakable
+from server.engine_api import SequenceRequest, SynthesisParams, VoiceSample
+from server.text.normalize import speakable
 
 pytestmark = pytest.mark.model
 
@@ -56,7 +56,7 @@ class NativeChat:
     """ChatTTS's own ``Chat`` on a model folder, with spies that record what ``infer`` did."""
 
     def __init__(self, model_dir: Path) -> None:
-        from server.engine.chattts_assets import load_chat
+        from server.engine.chattts.assets import load_chat
 
         self.chat = load_chat(model_dir=model_dir, device=torch.device("cpu")).chat
         self._seen: dict[str, Any] = {}
@@ -197,8 +197,8 @@ def _compare(
     reference: VoiceSample | None = None,
 ) -> None:
     """Engine vs native on ``text``; with ``reference``, in that recording's voice (spk_smp, txt_smp)."""
-    from server.engine.chattts_reference import ReferenceVoice
-    from server.engine.chattts_voice import speed_token
+    from server.engine.chattts.reference import ReferenceVoice
+    from server.engine.chattts.voice import speed_token
 
     if voice == "speaker-string":
         voice = _speaker_string(native)
@@ -244,7 +244,7 @@ def test_engine_equals_native_infer(tiny_engine: Any, native: NativeChat, case: 
 
 def test_long_sequence_equals_native_infer(tiny_model_dir: Path, native: NativeChat) -> None:
     """EOS banned for 96 tokens on both sides: the repetition penalty's window fills many times."""
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", min_tokens=96)
     try:
@@ -289,7 +289,7 @@ def _native_probabilities(
 
 @pytest.mark.parametrize("repetition_penalty", [1.05, 1.3, 1.0])
 def test_sampling_distribution_equals_chattts_processors(repetition_penalty: float) -> None:
-    from server.engine.chattts_batch import PENALTY_WINDOW, RowSampling, code_probabilities
+    from server.engine.chattts.step.sampling import PENALTY_WINDOW, RowSampling, code_probabilities
 
     gen = torch.Generator().manual_seed(int(repetition_penalty * 100))
     rows, num_vq, vocab = 12, 4, 626

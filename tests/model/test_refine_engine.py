@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from server.engine.base import EngineError, SequenceRequest, StepResult, SynthesisParams
-from server.engine.chattts_refine import RefineParams
-from server.normalize import speakable
+from server.engine.chattts.refine import RefineParams
+from server.engine_api import EngineError, SequenceRequest, StepResult, SynthesisParams
+from server.text.normalize import speakable
 from tests.model.helpers import TEST_DEVICE
 from tests.model.test_native_equivalence import NEAR_GREEDY, NativeChat
 
@@ -39,7 +39,7 @@ def native(tiny_model_dir: Path) -> NativeChat:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
     """Blocks of 8 tokens, so that a 24-token refinement spans three steps."""
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     eng = ChatTTSEngine.load(
         model_dir=tiny_model_dir,
@@ -110,7 +110,7 @@ class Recorder:
 def test_refined_speech_equals_native_infer_with_refinement(
     engine: Any, native: NativeChat, text: str
 ) -> None:
-    from server.engine.chattts_voice import speed_token
+    from server.engine.chattts.voice import speed_token
 
     refine = native.chat.RefineTextParams(
         prompt=PROMPT, temperature=NEAR_GREEDY, max_new_token=REFINE_TOKENS, show_tqdm=False
@@ -187,7 +187,7 @@ def test_a_refinement_batch_survives_a_dropped_partner(engine: Any) -> None:
 
 
 def test_refinement_off_refuses_refine_requests(tiny_model_dir: Path) -> None:
-    from server.engine.chattts import ChatTTSEngine
+    from server.engine.chattts.engine import ChatTTSEngine
 
     eng = ChatTTSEngine.load(
         model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", refine_max_tokens=0
@@ -206,7 +206,7 @@ def test_a_failed_refinement_restarts_from_its_prompt(engine: Any, monkeypatch: 
     request = SequenceRequest(seq_id=31, text="失败以后重来。", params=params(refine=True), max_tokens=12)
     with Recorder(engine) as clean:
         run(engine, [request])
-    from server.engine.chattts_refine import TextRefineJob
+    from server.engine.chattts.refine import TextRefineJob
 
     calls = {"n": 0}
     advance = TextRefineJob.advance

@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from server.app import App
-from server.engine.chattts_refine import RefineParams, RefineRow
+from server.engine.chattts.refine import RefineParams, RefineRow
 from tests.integration.test_http_speech import base_url
 from tests.wsclient import collect, open_client, start
 

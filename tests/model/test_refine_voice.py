@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.chattts_refine import RefineParams, TextRefineJob, TextRefiner
-from server.normalize import speakable
+from server.engine.chattts.refine import RefineParams, TextRefineJob, TextRefiner
+from server.text.normalize import speakable
 from tests.model.test_native_equivalence import NEAR_GREEDY, NativeChat, _compare
 
 pytestmark = pytest.mark.model
@@ -117,14 +117,14 @@ def recording(seconds: float = 2.0, rate: int = 24_000) -> np.ndarray:
     ],
 )
 def test_bad_recordings_are_refused_with_the_reason(samples: np.ndarray, rate: int, reason: str) -> None:
-    from server.voice_audio import ReferenceAudioError, check_reference_audio
+    from server.voices.recording import ReferenceAudioError, check_reference_audio
 
     with pytest.raises(ReferenceAudioError, match=reason):
         check_reference_audio(samples, rate)
 
 
 def test_other_rates_and_int16_stereo_become_24k_mono() -> None:
-    from server.voice_audio import check_reference_audio
+    from server.voices.recording import check_reference_audio
 
     mono = recording(2.0, 16_000)
     stereo = np.stack([mono, mono], axis=1)
@@ -134,8 +134,8 @@ def test_other_rates_and_int16_stereo_become_24k_mono() -> None:
 
 
 def test_recording_codes_equal_sample_audio_speaker(tiny_engine: Any, native: NativeChat) -> None:
-    from server.engine.chattts_reference import ReferenceVoice, encode_reference, reference_codes
-    from server.voice_audio import check_reference_audio
+    from server.engine.chattts.reference import ReferenceVoice, encode_reference, reference_codes
+    from server.voices.recording import check_reference_audio
 
     audio = check_reference_audio(recording(), 24_000)
     codes = encode_reference(tiny_engine._chat, audio)
@@ -156,8 +156,8 @@ def test_engine_speaks_in_a_recordings_voice_like_native(
     The voice travels with the stream (``SynthesisParams.reference``); its transcript goes
     through the same text pipeline as the spoken text.
     """
-    from server.engine.base import VoiceSample
-    from server.voice_audio import check_reference_audio
+    from server.engine_api import VoiceSample
+    from server.voices.recording import check_reference_audio
 
     audio = check_reference_audio(recording(), 24_000)
     codes = tiny_engine.encode_voice(audio, "这是一段参考录音，1 2 3。")

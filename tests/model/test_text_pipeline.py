@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from server.engine.base import SynthesisParams
-from server.normalize import speakable
-from server.tags import TAG
+from server.engine_api import SynthesisParams
+from server.text.normalize import speakable
+from server.text.tags import TAG
 
 pytestmark = pytest.mark.model
 
@@ -107,7 +107,7 @@ def test_every_allowed_tag_is_one_token_and_refinement_drops_the_numbered_ones(t
     as in the real vocabulary: infer() keeps refined tokens below it (word-level tags) only."""
     from ChatTTS.model import Tokenizer
 
-    from server.tags import ALLOWED, RESERVED, WORD_TAGS
+    from server.text.tags import ALLOWED, RESERVED, WORD_TAGS
 
     tokenizer = Tokenizer(str(tiny_model_dir / "asset" / "tokenizer"))
     ids = {tag: tokenizer._tokenizer.convert_tokens_to_ids(tag) for tag in ALLOWED | RESERVED}
@@ -129,7 +129,7 @@ SCRIPTS = [
 
 @pytest.mark.parametrize("text", SCRIPTS)
 def test_has_speakable_matches_what_the_pipeline_leaves(tiny_engine: Any, text: str) -> None:
-    from server.text import has_speakable
+    from server.text.segments import has_speakable
 
     left = TAG.sub("", tiny_engine.text.model_text(text))
     model_can_say = re.search(r"[\u4e00-\u9fffA-Za-z]", left) is not None

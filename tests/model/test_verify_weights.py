@@ -191,7 +191,7 @@ def test_unverified_weights_of_another_architecture_fail_in_one_line(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """ChatTTS 0.2.5 fixes the module sizes in code: a checkpoint of other sizes is refused clearly."""
-    from server.engine.chattts_assets import ModelUnavailableError, load_chat
+    from server.engine.chattts.assets import ModelUnavailableError, load_chat
 
     folder = tmp_path / "no-manifest"
     shutil.copytree(tiny_model_dir / "asset", folder / "asset")

@@ -6,8 +6,8 @@ import numpy as np
 import opuslib
 
 from server.audio.base import EncodedFrame
-from server.engine.base import SequenceRequest, SynthesisParams
 from server.engine.fake import expected_audio
+from server.engine_api import SequenceRequest, SynthesisParams
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好，我们一起去公园散步吧。"
 

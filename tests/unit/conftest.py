@@ -12,7 +12,7 @@ from server.config import load_settings
 from server.core.client import EngineClient
 from server.engine.fake import FakeEngine
 from server.metrics import Metrics
-from server.service import SpeechService
+from server.streams.service import SpeechService
 
 MakeService = Callable[..., Any]
 

@@ -7,13 +7,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("ChatTTS")
 
-from server.engine.chattts_batch import (  # noqa: E402
+from server.engine.chattts.step.sampling import (  # noqa: E402
     RowSampling,
     counter_uniforms,
     sample_codes,
     stream_key,
 )
-from server.engine.chattts_voice import parse_seed, speed_token  # noqa: E402
+from server.engine.chattts.voice import parse_seed, speed_token  # noqa: E402
 
 
 def test_counter_uniforms_depend_only_on_key_and_token_index() -> None:

@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vocos")
 
-from server.engine.chattts_graphs import EagerRunner
-from server.engine.chattts_vocode import decode_groups
+from server.engine.chattts.step.graphs import EagerRunner
+from server.engine.chattts.vocode import decode_groups
 
 
 def test_eager_warmup_runs_each_batch_size_at_its_shortest_and_longest_length() -> None:

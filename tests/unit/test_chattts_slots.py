@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from server.engine.chattts_slots import SlotKV, batch_buckets, bucket_for, length_buckets  # noqa: E402
+from server.engine.chattts.step.kv import SlotKV, batch_buckets, bucket_for, length_buckets  # noqa: E402
 
 
 def test_batch_buckets_are_powers_of_two_then_the_limit() -> None:

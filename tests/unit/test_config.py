@@ -50,8 +50,8 @@ def test_dtype_auto_on_the_cpu_is_bf16_only_where_the_cpu_computes_it(
 ) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("ChatTTS")
-    from server.engine import chattts_setup
-    from server.engine.chattts import resolve_dtype
+    from server.engine.chattts import setup as chattts_setup
+    from server.engine.chattts.engine import resolve_dtype
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(chattts_setup, "cpu_has_native_bf16", lambda: True)

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from server import protocol
 from server.app import server_info
-from server.connection_protocol import (
+from server.engine.fake import FAIL_MARKER
+from server.errors import EngineFailed
+from server.frontends.websocket import wire as protocol
+from server.frontends.websocket.session import (
     Action,
     Attachment,
     Close,
@@ -24,11 +26,9 @@ from server.connection_protocol import (
     StartPump,
     StopPump,
 )
-from server.engine.fake import FAIL_MARKER
-from server.errors import EngineFailed
-from server.outbox import Done, Failure, Frame, OutItem, SegmentMark
-from server.service import SpeechService
-from server.stream import StreamState
+from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark
+from server.streams.service import SpeechService
+from server.streams.stream import StreamState
 from tests.unit.conftest import MakeService
 
 
@@ -332,11 +332,8 @@ async def test_done_delivered_frees_the_slot_and_a_drain_closes(make_service: Ma
     conn = connect(service)
     attachment = start(conn, "s", "Short.")
     sent: list[OutItem] = []
-
-    async def write(items: list[OutItem]) -> None:
+    async for items in attachment.stream.deliver(attachment.lease, 0):
         sent.extend(items)
-
-    assert await service.deliver(attachment.stream, attachment.lease, 0, write)
     assert isinstance(sent[-1], Done) and attachment.stream.state is StreamState.DELIVERED
     service.draining = True
     assert conn.pump_ended(attachment) == [Close(1012, "server is restarting")]

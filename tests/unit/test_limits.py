@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from server.limits import ApiKeys, ClientLimiter, client_identity, origin_allowed, presented_key
+from server.frontends.access import ApiKeys, client_identity, origin_allowed, presented_key
+from server.streams.limits import ClientLimiter
 
 
 def test_token_bucket_allows_burst_then_rate() -> None:
@@ -53,7 +54,7 @@ def test_origins() -> None:
 
 
 def test_client_ip_trusts_forwarded_for_only_when_told() -> None:
-    from server.limits import client_ip
+    from server.frontends.access import client_ip
 
     headers = {"X-Forwarded-For": "203.0.113.9, 10.0.0.2"}
     assert client_ip("10.0.0.2", headers, trust_forwarded_for=True) == "203.0.113.9"

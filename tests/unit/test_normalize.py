@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("cn2an")
 
-from server.normalize import speakable
+from server.text.normalize import speakable
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import pytest
 
 from server.audio.base import EncodedFrame
 from server.errors import ResumeExpired
-from server.outbox import BufferOverflow, Done, Frame, Outbox, SegmentMark
-from server.stream import new_stream_token, redact
+from server.streams.outbox import BufferOverflow, Done, Frame, Outbox, SegmentMark
+from server.streams.stream import new_stream_token, redact
 
 FRAME = EncodedFrame(b"\x00" * 960, 480)
 

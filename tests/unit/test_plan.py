@@ -4,7 +4,7 @@ import numpy as np
 
 from server.core.events import Audio, SegmentStarted, StreamEvent
 from server.core.plan import StreamPlan
-from server.engine.base import SynthesisParams
+from server.engine_api import SynthesisParams
 
 
 def audio(value: float, n: int = 4) -> np.ndarray:

@@ -24,7 +24,7 @@ from server.core.policy import (
     refusal,
     retry_after_ms,
 )
-from server.engine.base import StepResult, SynthesisParams
+from server.engine_api import StepResult, SynthesisParams
 
 PARAMS = SynthesisParams(seed=1)
 LATER = 1.0  # past max_wait: the first batch is not held back to gather more

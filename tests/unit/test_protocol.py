@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from server import protocol
-from server.outbox import Frame
-from server.protocol import (
+from server.frontends.websocket import wire as protocol
+from server.frontends.websocket.wire import (
     FLAG_LAST,
     FLAG_SEGMENT_START,
     Cancel,
@@ -16,6 +15,7 @@ from server.protocol import (
     parse_client_message,
     unpack_frame,
 )
+from server.streams.outbox import Frame
 
 
 def test_header_round_trip_is_12_bytes_little_endian() -> None:

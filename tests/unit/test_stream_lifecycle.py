@@ -10,9 +10,9 @@ import pytest
 from server.audio import make_encoder
 from server.audio.base import EncodedFrame
 from server.metrics import Metrics
-from server.outbox import Outbox
-from server.registry import StreamRegistry
-from server.stream import Lease, Stream, StreamState
+from server.streams.outbox import Done, Outbox, OutItem
+from server.streams.registry import StreamRegistry
+from server.streams.stream import Lease, Stream, StreamState
 
 
 class Clock:
@@ -43,9 +43,18 @@ def make_stream(
         lease=lease,
         metrics=metrics,
         pool=pool,
+        ttl_s=30,
         clock=clock,
     )
     return stream, lease
+
+
+async def deliver(stream: Stream, lease: Lease) -> list[OutItem]:
+    """Pull every item ``lease`` may send, as a front end does; the stream is delivered after."""
+    sent: list[OutItem] = []
+    async for items in stream.deliver(lease, stream.outbox.sent_index):
+        sent.extend(items)
+    return sent
 
 
 def counted(metrics: Metrics) -> dict[str, float]:
@@ -61,20 +70,21 @@ def active(metrics: Metrics) -> float:
     return metrics.active_streams._value.get()  # type: ignore[attr-defined, no-any-return]
 
 
-def test_delivered_once_then_lingers_until_the_ttl(pool: ThreadPoolExecutor) -> None:
+async def test_delivered_once_then_lingers_until_the_ttl(pool: ThreadPoolExecutor) -> None:
     metrics, clock = Metrics(), Clock()
     stream, lease = make_stream(metrics, pool, clock)
     registry = StreamRegistry(ttl_s=30, clock=clock)
     registry.add(stream)
     assert stream.state is StreamState.ATTACHED and active(metrics) == 1 and registry.active() == 1
     stream.outbox.finish("complete", [EncodedFrame(b"", 0)])
-    stream.delivered(lease)
+    assert isinstance((await deliver(stream, lease))[-1], Done)
     assert stream.state is StreamState.DELIVERED and counted(metrics) == {"complete": 1.0}
     assert active(metrics) == 0 and registry.active() == 0 and not stream.busy
     # A late resume replays it; delivering again does not count it again.
     again = Lease(abort=lambda reason: None)
     stream.attach(again)
-    stream.delivered(again)
+    await deliver(stream, again)
+    assert stream.state is StreamState.DELIVERED
     assert counted(metrics) == {"complete": 1.0}
     clock.now += 29.9
     assert registry.expired() == []
@@ -97,7 +107,9 @@ def test_detached_then_expired_counts_expired(pool: ThreadPoolExecutor) -> None:
         stream.attach(Lease(abort=lambda reason: None))  # a freed stream cannot come back
 
 
-def test_moving_revokes_the_old_lease_and_its_late_calls_change_nothing(pool: ThreadPoolExecutor) -> None:
+async def test_moving_revokes_the_old_lease_and_its_late_calls_change_nothing(
+    pool: ThreadPoolExecutor,
+) -> None:
     metrics, clock = Metrics(), Clock()
     stream, old = make_stream(metrics, pool, clock)
     stream.outbox.on_frames([EncodedFrame(b"\0" * 960, 480)], 480)
@@ -106,7 +118,7 @@ def test_moving_revokes_the_old_lease_and_its_late_calls_change_nothing(pool: Th
     assert old.revoked and stream.lease is new
     stream.sent(old, 1, frames=1)  # the old pump finishing a send: ignored
     stream.detach(old)  # the old connection closing: ignored
-    stream.delivered(old)
+    assert await deliver(stream, old) == []  # the old pump pulling again: nothing, and no delivery
     assert stream.state is StreamState.ATTACHED and stream.outbox.sent_index == 0 and counted(metrics) == {}
     stream.sent(new, 1, frames=1)
     assert stream.outbox.sent_index == 1 and stream.first_frame_at == clock.now
@@ -119,7 +131,7 @@ def test_closing_an_undelivered_stream_counts_the_reason_given(pool: ThreadPoolE
     assert lease.revoked and stream.lease is None and counted(metrics) == {"cancelled": 1.0}
 
 
-def test_the_replay_budget_drops_delivered_streams_oldest_first(pool: ThreadPoolExecutor) -> None:
+async def test_the_replay_budget_drops_delivered_streams_oldest_first(pool: ThreadPoolExecutor) -> None:
     metrics, clock = Metrics(), Clock()
     registry = StreamRegistry(ttl_s=30, clock=clock)
     streams = []
@@ -128,7 +140,7 @@ def test_the_replay_budget_drops_delivered_streams_oldest_first(pool: ThreadPool
         stream.outbox.on_frames([EncodedFrame(b"\0" * 1000, 480)], 480)
         stream.outbox.finish("complete", [])
         if token != "b":
-            stream.delivered(lease)  # b is still being sent: never dropped for the budget
+            await deliver(stream, lease)  # b is still being sent: never dropped for the budget
         registry.add(stream)
         streams.append(stream)
     assert registry.over_budget(2500) == [streams[0]]

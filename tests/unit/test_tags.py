@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server import tags
-from server.text import TextBuffer, split_segments
+from server.text import tags
+from server.text.segments import TextBuffer, split_segments
 
 
 def test_the_tag_set_is_chatttss() -> None:

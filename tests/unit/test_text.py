@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.text import clean, has_speakable, split_complete, split_segments
+from server.text.segments import clean, has_speakable, split_complete, split_segments
 
 
 def test_chinese_and_english_sentences() -> None:

@@ -25,11 +25,8 @@ from wyoming.tts import (
 )
 
 from server.engine.fake import FAIL_MARKER, FAKE_VOICES, FakeEngine
-from server.frontend import OPENAI_VOICES
-from server.outbox import Frame, OutItem
-from server.service import SpeechService
-from server.stream import StreamState
-from server.wyoming_session import (
+from server.frontends.common import OPENAI_VOICES
+from server.frontends.wyoming.session import (
     CHUNK_FRAMES,
     Action,
     Close,
@@ -39,6 +36,9 @@ from server.wyoming_session import (
     voice_of,
     wyoming_info,
 )
+from server.streams.outbox import Frame, OutItem
+from server.streams.service import SpeechService
+from server.streams.stream import StreamState
 from tests.unit.conftest import MakeService
 
 

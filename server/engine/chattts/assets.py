@@ -1,0 +1,289 @@
+"""Finding, fetching, verifying and loading ChatTTS weights.
+
+Two sources:
+
+* a model folder in ChatTTS's asset layout (``DIR/asset/...``): either the
+  official weights (hash-checked against ChatTTS's own ``sha256_map.json``)
+  or a random-weight dev model written by
+  :func:`server.engine.chattts.devmodel.make_dev_model` (hash-checked against
+  its ``DEV_MODEL.json`` manifest);
+* no folder: the official weights from the Hugging Face hub
+  (``2Noise/ChatTTS``), downloaded once into a cache and reused. Offline,
+  loading fails fast with :class:`ModelUnavailableError`.
+
+With ``verify="none"`` (``--verify-weights none``) a folder without a dev
+manifest is loaded without ChatTTS's hash check, so fine-tuned checkpoints
+in ChatTTS's layout can be served; they are reported as ``unverified``.
+ChatTTS 0.2.5 reads only ``asset/`` (its module sizes are fixed in
+``ChatTTS.config.Config``; only the Llama's ``asset/gpt/config.json`` is read),
+so such a checkpoint must keep the official architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import torch
+
+from server.engine.chattts.devmodel import ASSET_FILES, DEV_MANIFEST, DEV_MANIFEST_KIND, build_config
+
+HF_REPO_ID = "2Noise/ChatTTS"
+Verify = Literal["official", "none"]
+#: Only what ChatTTS's asset layout needs (the hub repo also holds old .pt files).
+HF_ALLOW_PATTERNS = ["asset/*.safetensors", "asset/gpt/*", "asset/tokenizer/*"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelUnavailableError(RuntimeError):
+    """The weights cannot be found or fetched; the message says what to do.
+
+    The message is one line, meant to be printed as-is by the CLI before it
+    exits non-zero.
+    """
+
+    code = "model_unavailable"
+
+
+@dataclass(frozen=True)
+class LoadedChat:
+    """A loaded ``ChatTTS.Chat`` plus where it came from.
+
+    Attributes:
+        chat: the loaded ``ChatTTS.Chat`` (modules: gpt, embed, decoder, vocos, tokenizer, speaker).
+        model_dir: the folder holding ``asset/``.
+        dev_manifest: the ``DEV_MODEL.json`` content when the weights are random, else ``None``.
+        verified: the files matched a hash map (ChatTTS's official one, or the dev manifest's).
+    """
+
+    chat: Any
+    model_dir: Path
+    dev_manifest: dict[str, Any] | None
+    verified: bool = True
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether these are random (dev) weights rather than the official ones."""
+        return self.dev_manifest is not None
+
+    @property
+    def weights(self) -> str:
+        """``"random"`` (a dev model), ``"official"`` (hash-checked) or ``"unverified"``."""
+        if self.random_weights:
+            return "random"
+        return "official" if self.verified else "unverified"
+
+
+def default_cache_dir() -> Path:
+    """Where hub downloads go: ``$CHATTTS_CACHE_DIR`` or the Hugging Face hub cache."""
+    env = os.environ.get("CHATTTS_CACHE_DIR")
+    if env:
+        return Path(env)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def read_dev_manifest(model_dir: Path) -> dict[str, Any] | None:
+    """The dev-model manifest of ``model_dir``, or ``None`` for official weights."""
+    path = model_dir / DEV_MANIFEST
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    if data.get("kind") != DEV_MANIFEST_KIND or not data.get("random_weights"):
+        raise ModelUnavailableError(
+            f"{path} is not a chattts-stream dev-model manifest; remove it or regenerate"
+        )
+    return data
+
+
+def _missing_assets(model_dir: Path) -> list[str]:
+    return [rel for rel, _ in ASSET_FILES if not (model_dir / rel).is_file()]
+
+
+def _hub_reachable(timeout_s: float) -> str | None:
+    """``None`` when the hub answers a TCP connect within ``timeout_s``, else the reason.
+
+    huggingface_hub retries and waits on its own; a raw connect fails in
+    well under a second offline, which is what the CLI user needs.
+    """
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"cannot reach {host}:{port} ({exc.__class__.__name__}: {exc})"
+
+
+def _offline_message(cache_dir: Path, reason: str) -> str:
+    return (
+        f"ChatTTS weights are not in the cache {cache_dir} and cannot be downloaded from the Hugging Face "
+        f"hub "
+        f"({HF_REPO_ID}): {reason}. Fix: connect this machine to the internet once (the weights are cached), "
+        f"or copy the {HF_REPO_ID} files to a folder and pass --model-dir DIR (DIR/asset/...), "
+        "or serve random test weights with `--dev-model tiny` (noise, not speech)."
+    )
+
+
+def fetch_official(*, cache_dir: Path | None = None, timeout_s: float = 5.0) -> Path:
+    """Return a local folder with the official weights, downloading them once if needed.
+
+    Args:
+        cache_dir: hub cache folder (default :func:`default_cache_dir`).
+        timeout_s: connect/read timeout for the hub; offline fails within about this long.
+
+    Raises:
+        ModelUnavailableError: not cached and the hub is unreachable or the download failed.
+    """
+    from huggingface_hub import snapshot_download
+
+    cache = cache_dir if cache_dir is not None else default_cache_dir()
+    try:
+        path = Path(
+            snapshot_download(
+                repo_id=HF_REPO_ID, allow_patterns=HF_ALLOW_PATTERNS, cache_dir=cache, local_files_only=True
+            )
+        )
+        if not _missing_assets(path):
+            return path
+    except Exception:  # not cached (LocalEntryNotFoundError and friends)
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ModelUnavailableError(_offline_message(cache, "HF_HUB_OFFLINE is set"))
+    reason = _hub_reachable(timeout_s)
+    if reason is not None:
+        raise ModelUnavailableError(_offline_message(cache, reason))
+    log.warning("downloading the ChatTTS weights from the Hugging Face hub (%s) into %s", HF_REPO_ID, cache)
+    previous = os.environ.get("HF_HUB_ETAG_TIMEOUT")
+    os.environ["HF_HUB_ETAG_TIMEOUT"] = str(max(1, int(timeout_s)))
+    try:
+        path = Path(snapshot_download(repo_id=HF_REPO_ID, allow_patterns=HF_ALLOW_PATTERNS, cache_dir=cache))
+    except Exception as exc:
+        raise ModelUnavailableError(
+            _offline_message(cache, f"download failed: {exc}".splitlines()[0])
+        ) from exc
+    finally:
+        if previous is None:
+            os.environ.pop("HF_HUB_ETAG_TIMEOUT", None)
+        else:
+            os.environ["HF_HUB_ETAG_TIMEOUT"] = previous
+    missing = _missing_assets(path)
+    if missing:
+        raise ModelUnavailableError(
+            f"the hub snapshot {path} lacks {', '.join(missing)}; is {HF_REPO_ID} changed?"
+        )
+    return path
+
+
+def load_chat(
+    *,
+    model_dir: Path | str | None,
+    device: torch.device,
+    cache_dir: Path | None = None,
+    download_timeout_s: float = 5.0,
+    verify: Verify = "official",
+) -> LoadedChat:
+    """Load ChatTTS's modules from ``model_dir`` (or the official weights) onto ``device``.
+
+    Args:
+        model_dir: folder holding ``asset/``; ``None`` = official weights via the hub cache.
+        device: torch device for every module.
+        cache_dir: hub cache for ``model_dir=None``.
+        download_timeout_s: hub timeout for ``model_dir=None``.
+        verify: ``"official"`` checks the files against ChatTTS's official sha256 map (a dev
+            model against its manifest); ``"none"`` skips that check for folders without a
+            dev manifest (fine-tuned weights), with one warning line.
+
+    Raises:
+        ModelUnavailableError: missing files, failed hash check, or no way to download.
+    """
+    folder = (
+        Path(model_dir)
+        if model_dir is not None
+        else fetch_official(cache_dir=cache_dir, timeout_s=download_timeout_s)
+    )
+    if not (folder / "asset").is_dir():
+        raise ModelUnavailableError(
+            f"{folder} has no asset/ folder: pass --model-dir the folder that contains asset/ "
+            f"(ChatTTS's layout), or run `chattts-stream make-dev-model --size tiny {folder}`"
+        )
+    missing = _missing_assets(folder)
+    if missing:
+        raise ModelUnavailableError(f"{folder} is incomplete, missing: {', '.join(missing)}")
+    manifest = read_dev_manifest(folder)
+    import ChatTTS
+
+    started = time.perf_counter()
+    chat = ChatTTS.Chat(logging.getLogger("ChatTTS"))
+    if manifest is not None:
+        chat.config = build_config(manifest.get("config") or None)
+        # Random files fail ChatTTS's official hash map by design; check them against the manifest.
+        chat.sha256_map = dict(manifest["sha256"])
+    # else: keep ChatTTS's own official sha256_map: real weights are hash-checked unless told not to.
+    unverified = manifest is None and verify == "none"
+    if unverified:
+        log.warning(
+            "UNVERIFIED WEIGHTS: loading %s without checking it against ChatTTS's official hashes "
+            "(--verify-weights none); hello and /metrics report weights=unverified",
+            folder,
+        )
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # ChatTTS deletes the Llama's embed_tokens (it has its own Embed), so transformers'
+    # "weights newly initialized: embed_tokens" notice is expected noise.
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        ok = _load_unverified(chat, folder, device) if unverified else _load_checked(chat, folder, device)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not ok:
+        if manifest is not None:
+            raise ModelUnavailableError(
+                f"loading ChatTTS from {folder} failed (files do not match the DEV_MODEL.json hashes, "
+                "or a module failed to load); regenerate the folder"
+            )
+        raise ModelUnavailableError(
+            f"loading ChatTTS from {folder} failed: its files do not match ChatTTS's official sha256 map "
+            "(re-download them), or a module failed to load; to serve fine-tuned or otherwise modified "
+            "weights pass --verify-weights none (CHATTTS_VERIFY_WEIGHTS=none)"
+        )
+    log.info("ChatTTS modules loaded from %s in %.2f s", folder, time.perf_counter() - started)
+    return LoadedChat(chat=chat, model_dir=folder, dev_manifest=manifest, verified=not unverified)
+
+
+def _load_checked(chat: Any, folder: Path, device: torch.device) -> bool:
+    """``Chat.load`` from a folder: ChatTTS checks every file's sha256 against ``chat.sha256_map``."""
+    ok: bool = chat.load(source="custom", custom_path=str(folder), compile=False, device=device)
+    return ok
+
+
+def _load_unverified(chat: Any, folder: Path, device: torch.device) -> bool:
+    """What ``Chat.load`` does after its hash check (``Chat._load`` with the asset paths).
+
+    ``Chat.load(source="custom")`` cannot skip ``check_all_assets``; ``_load`` is the rest of
+    it (ChatTTS is pinned at 0.2.5). A file with the wrong shapes raises from ``load_state_dict``:
+    that becomes a one-line :class:`ModelUnavailableError`.
+    """
+    paths = {key: str(folder / rel) for key, rel in asdict(chat.config.path).items()}
+    try:
+        ok: bool = chat._load(device=device, compile=False, **paths)
+    except Exception as exc:  # shape mismatches, truncated files: the user's checkpoint is wrong
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelUnavailableError(
+            f"loading the unverified weights in {folder} failed: {first[:300]} "
+            "(ChatTTS 0.2.5 needs the official architecture sizes)"
+        ) from None
+    return ok

@@ -1,0 +1,398 @@
+"""The ChatTTS engine: the project's own token-block generation loop over ChatTTS's modules.
+
+ChatTTS's ``infer(stream=True)`` is unfit for serving (first audio after ~72
+tokens, quadratic re-decode with seams, one cursor and one interrupt flag for
+a whole batch), so this engine uses only ChatTTS's loaded modules (Llama,
+embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
+
+* per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
+  into the sequence's own KV slot (:mod:`server.engine.chattts.step.kv`);
+* blocks of token steps (:mod:`server.engine.chattts.step.runner`) with static shapes over
+  the slots (:mod:`server.engine.chattts.step.token_step`, the Llama layer by layer in
+  :mod:`server.engine.chattts.step.llama`), eagerly or as CUDA graphs
+  (:mod:`server.engine.chattts.step.graphs`), with
+  counter-based random streams and sampling on the device
+  (:mod:`server.engine.chattts.step.sampling`); one value comes back to the host per
+  token (whether any row still runs), one small summary per block;
+* incremental decode of only the new tokens, each row on its own block
+  schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
+  group of similar window lengths) (:mod:`server.engine.chattts.decode`,
+  :mod:`server.engine.chattts.vocode`).
+
+Only ``server/engine/chattts*.py`` import torch; this is one of them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import secrets
+from pathlib import Path
+from typing import Any, Unpack
+
+import numpy as np
+import torch
+
+from server.engine.chattts.assets import LoadedChat, ModelUnavailableError, Verify, load_chat
+from server.engine.chattts.decode import StreamDecoder, make_decode_fn
+from server.engine.chattts.prompt import PromptBuilder, PromptLimits
+from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
+from server.engine.chattts.refine_queue import RefineQueue
+from server.engine.chattts.setup import EngineOptions, engine_info, kv_length, resolve_device, resolve_dtype
+from server.engine.chattts.step.runner import Row, RunnerFactory, SlotBatch, TokenTap
+from server.engine.chattts.step.sampling import stream_key
+from server.engine.chattts.text import ChatTTSText
+from server.engine.chattts.voice import VoiceBank
+from server.engine_api import (
+    AudioArray,
+    Codes,
+    EngineError,
+    EngineInfo,
+    EngineOutOfMemory,
+    SequenceRequest,
+    StepResult,
+    SynthesisParams,
+)
+
+__all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+_WARMUP_ID = -(1 << 62)
+_NO_AUDIO = np.zeros(0, np.float32)
+
+
+class ChatTTSEngine:
+    """ChatTTS behind the :class:`server.engine_api.Engine` protocol.
+
+    Build it with :meth:`load`. All methods run on the scheduler's one inference thread.
+    Options: :class:`server.engine.chattts.setup.EngineOptions`.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedChat,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        step_runner: RunnerFactory | None = None,
+        **options: Unpack[EngineOptions],
+    ) -> None:
+        self.block_schedule = tuple(int(b) for b in options.get("block_schedule", (8, 16, 32)))
+        self.prefill_bucket = options.get("prefill_bucket", 16)
+        if not self.block_schedule or min(self.block_schedule) < 1:
+            raise ValueError("block_schedule needs at least one positive block size")
+        if self.prefill_bucket < 1:
+            raise ValueError("prefill_bucket must be at least 1 (1: no padding)")
+        chat = self._chat = loaded.chat
+        self._loaded, self.device, self.dtype = loaded, device, dtype
+        self.min_tokens = max(1, options.get("min_tokens", 1))  # ChatTTS never returns an empty sequence
+        self.warmup_prompt_chars = options.get("warmup_prompt_chars", 120)
+        self._decode_opts = {
+            "context_tokens": options.get("context_tokens", 16),
+            "holdback_tokens": options.get("holdback_tokens", 4),
+            "crossfade_samples": options.get("crossfade_samples", 256),
+        }
+        self._llama = chat.gpt.gpt.to(dtype=dtype)
+        cfg = self._llama.config
+        self.hidden_size = int(cfg.hidden_size)
+        self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
+        self.voices = VoiceBank(
+            chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
+        )
+        self.text = ChatTTSText(chat.normalizer)
+        voice_seconds = float(options.get("voice_max_seconds", 10.0))
+        limits = PromptLimits(
+            segment_chars=self.warmup_prompt_chars,
+            refine_tokens=max(0, options.get("refine_max_tokens", 384)),
+            voice_seconds=voice_seconds,
+            transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
+        )
+        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, device)
+        #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
+        self.refiner: Refiner = TextRefiner(chat, device=device)
+        #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
+        self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
+        # One refinement block per step, as long as the longest speech block: see RefineQueue.
+        self._refining = RefineQueue(block_tokens=max(self.block_schedule))
+        self.slots = options.get("max_batch", 16)
+        self.segment_max_tokens = options.get("segment_max_tokens", 2048)
+        self.longest_prompt = self.prompts.longest()
+        self.max_len = kv_length(
+            longest_prompt=self.longest_prompt,
+            prefill_bucket=self.prefill_bucket,
+            segment_max_tokens=self.segment_max_tokens,
+            max_positions=int(cfg.max_position_embeddings),
+        )
+        self._batch = SlotBatch.for_chat(
+            chat,
+            self._llama,
+            slots=self.slots,
+            max_len=self.max_len,
+            block_schedule=self.block_schedule,
+            prefill_bucket=self.prefill_bucket,
+            dtype=dtype,
+            device=device,
+            min_tokens=self.min_tokens,
+            repetition_penalty=options.get("repetition_penalty", 1.05),
+            cuda_graphs=options.get("cuda_graphs", True),
+            step_runner=step_runner,
+        )
+        self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
+        self._prepared = False
+        self._seqs: dict[int, Row] = {}
+        #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
+        self.token_tap: TokenTap | None = None
+        self._info = engine_info(
+            loaded,
+            self._batch,
+            device=device,
+            dtype=dtype,
+            refine=self.prompts.limits.refine_tokens > 0,
+            voices_from_recordings=voice_seconds > 0,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        model_dir: Path | str | None = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        num_threads: int | None = None,
+        cache_dir: Path | None = None,
+        download_timeout_s: float = 5.0,
+        verify_weights: Verify = "official",
+        **options: Unpack[EngineOptions],
+    ) -> ChatTTSEngine:
+        """Load the weights and build the engine.
+
+        Args:
+            model_dir: folder with ChatTTS's ``asset/`` layout (official or dev model);
+                ``None`` = official weights from the hub cache, downloaded once.
+            device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+            dtype: the Llama's dtype: ``"auto"`` (bf16 where native, else float32 on CPU, fp16 on GPU),
+                ``"float32"``, ``"bfloat16"``, ``"float16"``. Decoder and vocoder stay float32.
+            num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
+            cache_dir: hub cache for ``model_dir=None``.
+            download_timeout_s: hub timeout; offline fails within about this long.
+            verify_weights: ``"official"`` (hash-checked) or ``"none"`` (fine-tuned weights,
+                reported as unverified); see :func:`server.engine.chattts.assets.load_chat`.
+            **options: see :class:`server.engine.chattts.setup.EngineOptions`.
+
+        Raises:
+            ModelUnavailableError: weights missing, hash mismatch, or hub unreachable.
+        """
+        if num_threads is not None and num_threads > 0:
+            torch.set_num_threads(num_threads)
+        dev = resolve_device(device)
+        loaded = load_chat(
+            model_dir=model_dir,
+            device=dev,
+            cache_dir=cache_dir,
+            download_timeout_s=download_timeout_s,
+            verify=verify_weights,
+        )
+        return cls(loaded, device=dev, dtype=resolve_dtype(dtype, dev), **options)
+
+    @property
+    def info(self) -> EngineInfo:
+        """Static facts about this engine."""
+        return self._info
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether the loaded weights are a random dev model."""
+        return self._loaded.random_weights
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences holding state, refining ones included (tests assert that work is freed)."""
+        return len(self._seqs) + len(self._refining)
+
+    @property
+    def free_slots(self) -> int:
+        """KV slots no sequence holds."""
+        return self._batch.kv.free_slots
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the preallocated KV slots (known from start-up; exported as a metric)."""
+        return self._batch.kv.nbytes
+
+    def validate_voice(self, voice: str) -> bool:
+        """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices (any thread)."""
+        return self.voices.is_voice(voice)
+
+    def prompt_text(self, text: str, params: SynthesisParams) -> str:
+        """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
+
+        ``text`` is the user's segment; it goes through :class:`ChatTTSText` (our number
+        speller, then ChatTTS's own normalizer) first. A voice from a recording reads
+        ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts.reference`).
+        """
+        return self.prompts.code_prompt(self.text.model_text(text), params).text
+
+    def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
+        """DVAE codes of a 24 kHz recording (``Chat.sample_audio_speaker``), checked against the limits."""
+        return self.prompts.encode_voice(audio, transcript)
+
+    def add(self, request: SequenceRequest) -> None:
+        """Tokenize and register a sequence; its prefill runs inside the next step that names it.
+
+        With ``params.refine`` the sequence first waits for its refinement (:class:`RefineQueue`).
+        """
+        if request.seq_id in self._seqs or request.seq_id in self._refining:
+            raise EngineError(f"sequence {request.seq_id} already exists")
+        if self.live_sequences >= self.slots:
+            raise EngineError(f"all {self.slots} KV slots are in use (--max-batch)")
+        model_text = self.text.model_text(request.text)
+        row = self._row(request, model_text)  # checks the voice and the length, refined or not
+        if not request.params.refine:
+            self._seqs[request.seq_id] = row
+            return
+        if not self._info.refine:
+            raise EngineError("refinement is off on this server (--refine-max-tokens 0)")
+        self._refining.add(request, RefineRow(model_text, request.params.refine_prompt, _seed_of(request)))
+
+    def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
+        """The engine's state of a sequence whose prompt reads ``model_text``."""
+        prompt = self.prompts.code_prompt(model_text, request.params)
+        input_ids, text_mask = prompt.input_ids, prompt.text_mask
+        n = int(input_ids.shape[1])
+        if self.prefill_length(n) >= self.max_len:
+            if refined:  # re-tokenized refinements may run longer than their tokens: speak it unrefined
+                log.warning("a refined prompt of %d tokens does not fit a KV slot; spoken unrefined", n)
+                return self._row(request, self.text.model_text(request.text))
+            raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
+        return Row(
+            request=request,
+            input_ids=input_ids,
+            text_mask=text_mask,
+            speaker=prompt.speaker,
+            key=stream_key(_seed_of(request)),
+            decoder=StreamDecoder(None, **self._decode_opts),
+            max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
+        )
+
+    def drop(self, seq_id: int) -> None:
+        """Forget a sequence and free its KV slot (no-op for unknown ids); no other row is touched."""
+        self._refining.drop(seq_id)
+        row = self._seqs.pop(seq_id, None)
+        if row is not None:
+            self._batch.release(row)
+
+    def step(self, seq_ids: list[int]) -> list[StepResult]:
+        """Advance the given sequences by one token block each (prefilling new ones first).
+
+        Sequences still refining advance their refinement by one block instead and return
+        no audio; one that finishes refining in this step is prefilled and steps at once.
+        """
+        unknown = [s for s in seq_ids if s not in self._seqs and s not in self._refining]
+        if unknown:
+            raise EngineError(f"unknown sequence ids {unknown}")
+        named = list(dict.fromkeys(seq_ids))
+        try:
+            with torch.inference_mode():
+                self._refine([s for s in named if s in self._refining])
+                rows = [self._seqs[s] for s in named if s in self._seqs]
+                results = self._step(rows) if rows else []
+        except torch.cuda.OutOfMemoryError as exc:
+            self.empty_cache()
+            raise EngineOutOfMemory(f"out of accelerator memory with {len(seq_ids)} rows: {exc}") from exc
+        refining = [s for s in named if s in self._refining]
+        return results + [StepResult(seq_id=s, audio=_NO_AUDIO, tokens=0, finished=False) for s in refining]
+
+    def _refine(self, seq_ids: list[int]) -> None:
+        """One block of refinement for these sequences; the finished ones get their speech prompt."""
+        if not seq_ids:
+            return
+        for request, refined in self._refining.advance(seq_ids, self.refiner, self.refine_params):
+            self._seqs[request.seq_id] = self._row(request, refined, refined=True)
+
+    def empty_cache(self) -> None:
+        """Return cached accelerator memory (the scheduler calls it after an OOM)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def prefill_length(self, prompt_tokens: int) -> int:
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        return self._batch.prefill_length(prompt_tokens)
+
+    def _prefill(self, row: Row) -> None:
+        """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
+        emb = self._chat.embed(row.input_ids, row.text_mask)
+        if row.speaker is not None:  # None: a voice from a recording ([empty_spk] + its codes)
+            spk_ids = self._chat.tokenizer.spk_emb_ids
+            self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
+        self._batch.prefill(row, emb)
+
+    def _step(self, rows: list[Row]) -> list[StepResult]:
+        for row in rows:
+            if row.slot < 0:
+                self._prefill(row)
+        results = self._batch.run(rows, self.token_tap)
+        for result in results:
+            if result.finished:
+                self.drop(result.seq_id)
+        return results
+
+    def decode_tokens(self, hiddens: torch.Tensor) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with)."""
+        with torch.inference_mode():
+            return self._decode_fn(hiddens)
+
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, attention length) a token step can run at: the closed bucket set."""
+        return self._batch.shapes()
+
+    def warmup(self) -> None:
+        """Meet every shape serving will meet before the first request does.
+
+        The first call prefills every prompt bucket up to the longest expected prompt and runs
+        (on CUDA: captures) the token step at every (batch, length) bucket; every call then
+        runs one short sequence through every block size (allocations, kernels, numba).
+        """
+        if not self._prepared:
+            with torch.inference_mode():
+                # Without buckets (1) every length is its own shape: too many to warm, so none are.
+                if self.prefill_bucket > 1:
+                    self._batch.warm_prefill(self.longest_prompt, self.device)
+                self._batch.runner.prepare(self.step_shapes())
+                if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
+                    self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
+            self._prepared = True
+        if self.live_sequences >= self.slots:
+            log.warning("warm-up skipped its test sequence: every KV slot is in use")
+            return
+        tokens = sum(self.block_schedule) + 1
+        request = SequenceRequest(
+            seq_id=_WARMUP_ID, text="warm up", params=SynthesisParams(seed=0), max_tokens=tokens
+        )
+        self.add(request)
+        try:
+            while _WARMUP_ID in self._seqs:
+                self.step([_WARMUP_ID])
+        finally:
+            self.drop(_WARMUP_ID)
+
+    def memory_allocated(self) -> int:
+        """Accelerator bytes held by tensors (0 on the CPU); exported as a metric."""
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+
+    def close(self) -> None:
+        """Release every sequence, the KV slots, the captured graphs and the model."""
+        self._seqs.clear()
+        self._refining.clear()
+        for name in ("gpt", "embed", "decoder", "dvae", "vocos"):
+            if hasattr(self._chat, name):
+                delattr(self._chat, name)
+        del self._llama, self._batch
+        gc.collect()
+        self.empty_cache()
+
+
+def _seed_of(request: SequenceRequest) -> int:
+    """The sequence's seed: the stream's plus the segment's index, or a random one."""
+    seed = request.params.seed
+    return (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)

@@ -1,0 +1,165 @@
+"""Settings of the ChatTTS engine that are decided once: device, dtype, options, cache length.
+
+Kept apart from the engine itself (:mod:`server.engine.chattts.engine`) so that the
+engine module holds only what runs per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TypedDict
+
+import torch
+
+from server.engine.chattts.assets import LoadedChat
+from server.engine.chattts.decode import SAMPLES_PER_TOKEN
+from server.engine.chattts.prompt import file_identity
+from server.engine.chattts.step.runner import SlotBatch
+from server.engine_api import EngineInfo
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; anything else as given."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without it oneDNN emulates it."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The Llama's dtype. ``"auto"``: bf16 where the hardware computes it natively, else fp32 (CPU) or fp16.
+
+    On this project's CPU (AVX512-BF16) bfloat16 ran the engine 1.6x faster at batch 1 and
+    1.95x at batch 4 than float32 (``bench/results/dtype_cpu.md``), but its sampled tokens leave
+    float32's within 0-11 steps: only float32 is token-identical to ChatTTS's own ``infer()``
+    (docs/operations.md, "Weights and precision"). A CPU without native bf16 gets float32.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; not {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class EngineOptions(TypedDict, total=False):
+    """Keyword options of :class:`server.engine.chattts.engine.ChatTTSEngine` (all optional).
+
+    Keys:
+        block_schedule: tokens between a sequence's 1st, 2nd, ... decodes (last repeats).
+        default_voice: what voice ``"default"`` is (``seed:N`` or a speaker string).
+        context_tokens: decode left context, tokens (see :mod:`server.engine.chattts.decode`).
+        holdback_tokens: audio held back at the right edge until more tokens exist.
+        crossfade_samples: crossfade between consecutive decode windows.
+        min_tokens: EOS is banned before this many tokens (benchmarks force lengths with it).
+        repetition_penalty: ChatTTS's penalty over the last 16 codes (1.05).
+        prefill_bucket: prompts are padded up to a multiple of this many tokens, so the
+            kernels see a few prefill shapes instead of one per prompt length (1: no padding).
+        warmup_prompt_chars: the longest segment the server sends (``--segment-max-chars``):
+            warm-up prefills every bucket up to it, and the KV slots are sized for it.
+        max_batch: KV slots, the most sequences alive at once (``--max-batch``).
+        segment_max_tokens: token cap of one sequence; with the longest prompt it sets the
+            KV slots' length.
+        cuda_graphs: capture the token step as CUDA graphs on a CUDA device.
+        refine_max_tokens: the refinement pass's token cap (``--refine-max-tokens``; 0: off); a
+            refined text may be this long, so it sizes the KV slots too.
+        voice_max_seconds: the longest recording a voice is made from (``--voice-max-seconds``;
+            0: off); its codes are part of every prompt in that voice, so it sizes the KV slots.
+        voice_transcript_tokens: the longest transcript of such a recording, in model tokens.
+    """
+
+    block_schedule: Sequence[int]
+    default_voice: str
+    context_tokens: int
+    holdback_tokens: int
+    crossfade_samples: int
+    min_tokens: int
+    repetition_penalty: float
+    prefill_bucket: int
+    warmup_prompt_chars: int
+    max_batch: int
+    segment_max_tokens: int
+    cuda_graphs: bool
+    refine_max_tokens: int
+    voice_max_seconds: float
+    voice_transcript_tokens: int
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def kv_length(
+    *, longest_prompt: int, prefill_bucket: int, segment_max_tokens: int, max_positions: int
+) -> int:
+    """Positions per KV slot: the longest prompt's bucket plus the token cap, within the model's range."""
+    return min(max_positions, round_up(longest_prompt, prefill_bucket) + segment_max_tokens)
+
+
+def engine_info(
+    loaded: LoadedChat,
+    batch: SlotBatch,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    refine: bool,
+    voices_from_recordings: bool,
+) -> EngineInfo:
+    """The engine's static facts (``hello``, the ``chattts_engine_info`` metric), logged once.
+
+    Args:
+        loaded: the weights.
+        batch: the KV slots and token step.
+        device: where the Llama runs.
+        dtype: the Llama's dtype.
+        refine: whether ``refine: true`` is served (``--refine-max-tokens`` above 0).
+        voices_from_recordings: whether voices can be made from recordings.
+    """
+    extra = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "model_dir": str(loaded.model_dir),
+        "random_weights": "true" if loaded.random_weights else "false",
+        "weights": loaded.weights,
+        **batch.describe(),
+    }
+    log.info(
+        "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
+        extra["kv_slots"],
+        extra["kv_max_len"],
+        batch.kv.nbytes / 2**20,
+        extra["dtype"],
+        extra["token_step"],
+        extra["batch_buckets"],
+    )
+    if loaded.random_weights:
+        log.warning(
+            "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
+            loaded.model_dir,
+        )
+    dvae = loaded.model_dir / "asset" / "DVAE.safetensors"
+    return EngineInfo(
+        name="chattts",
+        voices=("default",),
+        samples_per_token=SAMPLES_PER_TOKEN,
+        refine=refine,
+        # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
+        voice_encoder=file_identity(dvae) if voices_from_recordings else None,
+        extra=extra,
+    )

@@ -1,0 +1,333 @@
+"""One engine step over KV-slot rows: prefill into a slot, the token loop, the block summary, batched decode.
+
+:class:`SlotBatch` owns the static machinery (KV slots, slot state, token
+step and its runner, batched vocoder) and runs one block for the rows it is
+given:
+
+1. ``begin_block`` marks the rows' slots as stepping (one small upload);
+2. each token is one ``runner.run(batch, length)`` (a CUDA graph replay on a
+   GPU) followed by one read of ``any_alive``, so the loop stops as soon as
+   every row has ended;
+3. one read of the rows' ``produced``/``stepping``/``lengths`` per block;
+4. every row whose own block schedule says it is due (or that ended) plans
+   its decode window, and all windows go through one batched Decoder + Vocos
+   call.
+
+A row decodes every ``block_schedule[k]`` tokens of its own, whatever the
+other rows do: the block a step runs is the fewest tokens any row needs to
+reach its next decode, so a newcomer's short first block no longer makes
+every other row decode (and re-decode context) after 8 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from server.engine.chattts.decode import DecodeWindow, StreamDecoder
+from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
+from server.engine.chattts.step.kv import (
+    LENGTH_STEP,
+    SlotKV,
+    batch_buckets,
+    bucket_for,
+    kv_dtype,
+    length_buckets,
+)
+from server.engine.chattts.step.token_step import SlotState, TokenStep
+from server.engine.chattts.vocode import BatchVocoder
+from server.engine_api import SequenceRequest, StepResult
+
+#: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
+#: sequence accepted in one step (EOS excluded), on the CPU. Tests compare them with ChatTTS's own.
+TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: Builds the step runner around the static step (tests pass a recording one).
+RunnerFactory = Callable[[StepFn], StepRunner]
+
+
+@dataclass
+class Row:
+    """One sequence as the engine holds it."""
+
+    request: SequenceRequest
+    input_ids: torch.Tensor
+    text_mask: torch.Tensor
+    speaker: torch.Tensor | None  # None: a voice from a recording ([empty_spk] + its codes)
+    key: tuple[int, int]
+    decoder: StreamDecoder
+    max_tokens: int
+    slot: int = -1  # -1 until prefilled
+    length: int = 0  # filled KV positions (host copy, refreshed every block)
+    decodes: int = 0  # decode windows so far: the position in the block schedule
+    undecoded: int = 0  # tokens pushed since the last decode
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotLayout:
+    """Sizes of the static machinery.
+
+    Attributes:
+        layers, kv_heads, head_dim, hidden_size, num_vq: the model's.
+        slots: KV slots (``--max-batch``).
+        max_len: positions per slot.
+        block_schedule: tokens between a row's decodes (last repeats).
+        eos: the end code.
+        prefill_bucket: prompts are prefilled padded to a multiple of this (1: unpadded).
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    num_vq: int
+    slots: int
+    max_len: int
+    block_schedule: tuple[int, ...]
+    eos: int
+    prefill_bucket: int = 1
+
+
+class SlotBatch:
+    """KV slots, slot state, the token step and its runner, and the batched vocoder.
+
+    Args:
+        llama: the loaded ``LlamaModel``.
+        layout: sizes.
+        head_w, code_w: ``(num_vq, V, hidden)`` float32 code heads and embeddings.
+        vocoder: the batched Decoder + Vocos.
+        dtype, device: the Llama's.
+        min_tokens: EOS is banned before this many tokens.
+        repetition_penalty: ChatTTS's penalty.
+        cuda_graphs: capture the step as CUDA graphs (on a CUDA device only).
+        step_runner: overrides the runner (tests).
+    """
+
+    def __init__(
+        self,
+        llama: Any,
+        layout: SlotLayout,
+        *,
+        head_w: torch.Tensor,
+        code_w: torch.Tensor,
+        vocoder: BatchVocoder,
+        dtype: torch.dtype,
+        device: torch.device,
+        min_tokens: int,
+        repetition_penalty: float,
+        cuda_graphs: bool,
+        step_runner: RunnerFactory | None = None,
+    ) -> None:
+        self.layout = layout
+        self.batch_buckets = batch_buckets(layout.slots)
+        self.length_buckets = length_buckets(
+            layout.max_len, LENGTH_STEP.get(device.type, LENGTH_STEP["cuda"])
+        )
+        self.kv = SlotKV(
+            layers=layout.layers,
+            slots=layout.slots,
+            kv_heads=layout.kv_heads,
+            max_len=layout.max_len,
+            head_dim=layout.head_dim,
+            dtype=kv_dtype(dtype, device),
+            device=device,
+        )
+        self.state = SlotState.allocate(
+            slots=layout.slots,
+            hidden_size=layout.hidden_size,
+            num_vq=layout.num_vq,
+            block=max(layout.block_schedule),
+            max_len=layout.max_len,
+            empty_code=layout.eos + 1,
+            device=device,
+        )
+        self.token_step = TokenStep(
+            llama,
+            self.kv,
+            self.state,
+            head_w=head_w,
+            code_w=code_w,
+            eos=layout.eos,
+            min_tokens=min_tokens,
+            repetition_penalty=repetition_penalty,
+            dtype=dtype,
+        )
+        self.vocoder = vocoder
+        if step_runner is not None:
+            self.runner: StepRunner = step_runner(self.token_step)
+        elif cuda_graphs and device.type == "cuda":
+            self.runner = CudaGraphRunner(self.token_step, device)
+        else:
+            self.runner = EagerRunner(self.token_step)
+
+    def describe(self) -> dict[str, str]:
+        """KV slots, memory and shape buckets, for the engine's info and the start-up log."""
+        return {
+            "kv_slots": str(self.layout.slots),
+            "kv_max_len": str(self.layout.max_len),
+            "kv_cache_bytes": str(self.kv.nbytes),
+            "token_step": self.runner.kind,
+            "batch_buckets": ",".join(map(str, self.batch_buckets)),
+            "length_buckets": ",".join(map(str, self.length_buckets)),
+        }
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, attention length) a token step can run at: the closed bucket set."""
+        return [(b, n) for b in self.batch_buckets for n in self.length_buckets]
+
+    @classmethod
+    def for_chat(
+        cls,
+        chat: Any,
+        llama: Any,
+        *,
+        slots: int,
+        max_len: int,
+        block_schedule: tuple[int, ...],
+        prefill_bucket: int,
+        **options: Any,
+    ) -> SlotBatch:
+        """The batch for a loaded ``Chat`` whose Llama (``llama``, already in its dtype) runs the steps.
+
+        ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w`` and ``vocoder``.
+        """
+        cfg, embed = llama.config, chat.embed
+        heads, hidden = int(cfg.num_attention_heads), int(cfg.hidden_size)
+        layout = SlotLayout(
+            layers=int(cfg.num_hidden_layers),
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+            hidden_size=hidden,
+            num_vq=int(embed.num_vq),
+            slots=slots,
+            max_len=max_len,
+            block_schedule=block_schedule,
+            eos=int(embed.num_audio_tokens) - 1,
+            prefill_bucket=prefill_bucket,
+        )
+        with torch.inference_mode():
+            # Stacked once: weight_norm would recompute each head's weight on every call.
+            head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
+            code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
+        # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
+        cuda = options["device"].type == "cuda"
+        vocoder = BatchVocoder(chat.decoder, chat.vocos, max_waste=None if cuda else 0.25)
+        return cls(llama, layout, head_w=head_w, code_w=code_w, vocoder=vocoder, **options)
+
+    def prefill_length(self, prompt_tokens: int) -> int:
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
+
+        Never past the last position of a slot; never shorter than the prompt itself.
+        """
+        bucket, last = self.layout.prefill_bucket, self.layout.max_len - 1
+        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, last))
+
+    def prefill(self, row: Row, emb: torch.Tensor) -> None:
+        """Run ``(1, n, hidden)`` prompt embeddings into a free slot, padded to their bucket.
+
+        Padded because every distinct prefill length costs the CPU kernels (oneDNN primitives,
+        allocator pools) memory that is never given back: one shape per prompt length made RSS
+        climb by about 2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
+        """
+        real_length = int(emb.shape[1])
+        length = self.prefill_length(real_length)
+        if length > real_length:
+            emb = torch.cat([emb, emb.new_zeros((1, length - real_length, emb.shape[2]))], dim=1)
+        slot = self.kv.take()
+        try:
+            hidden = self.token_step.prefill(emb, slot, real_length)
+        except BaseException:
+            self.kv.give_back(slot)
+            raise
+        params = row.request.params
+        self.state.join(
+            slot,
+            hidden=hidden,
+            length=real_length,
+            max_tokens=row.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            key=row.key,
+            empty_code=self.layout.eos + 1,
+        )
+        row.slot, row.length = slot, real_length
+
+    def warm_prefill(self, longest_prompt: int, device: torch.device) -> None:
+        """Prefill zeros once at every bucket length up to ``longest_prompt``'s, in a borrowed slot."""
+        bucket = self.layout.prefill_bucket
+        lengths = range(bucket, self.prefill_length(longest_prompt) + 1, bucket)
+        slot = self.kv.take()
+        try:
+            for length in lengths:
+                emb = torch.zeros((1, length, self.layout.hidden_size), device=device)
+                self.token_step.prefill(emb, slot, length)
+        finally:
+            self.kv.give_back(slot)
+
+    def release(self, row: Row) -> None:
+        """Free the row's slot (no other slot is touched)."""
+        if row.slot >= 0:
+            self.kv.give_back(row.slot)
+            row.slot = -1
+
+    def _target(self, row: Row) -> int:
+        schedule = self.layout.block_schedule
+        return schedule[min(row.decodes, len(schedule) - 1)]
+
+    def run(self, rows: list[Row], token_tap: TokenTap | None = None) -> list[StepResult]:
+        """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released)."""
+        block = min(self._target(r) - r.undecoded for r in rows)
+        batch = bucket_for(self.batch_buckets, max(r.slot for r in rows) + 1)
+        self.state.begin_block([r.slot for r in rows])
+        longest = max(r.length for r in rows)
+        for t in range(block):
+            length = bucket_for(self.length_buckets, min(longest + t + 1, self.layout.max_len))
+            self.runner.run(batch, length)
+            if not bool(self.state.any_alive):  # the one device→host read per token
+                break
+        return self._end_block(rows, batch, token_tap)
+
+    def _end_block(self, rows: list[Row], batch: int, token_tap: TokenTap | None) -> list[StepResult]:
+        """Read the block's summary once; decode every row that is due in one call."""
+        st = self.state
+        summary = torch.stack([st.produced[:batch], st.stepping[:batch].long(), st.lengths[:batch]])
+        produced, alive, lengths = summary.tolist()
+        windows: list[tuple[Row, DecodeWindow]] = []
+        for row in rows:
+            k, row.length = produced[row.slot], lengths[row.slot]
+            row.undecoded += k
+            if k:
+                row.decoder.push(st.pending_hidden[row.slot, :k].clone())
+                if token_tap is not None:  # copies: the buffers are reused by the next block
+                    codes = st.pending_codes[row.slot, :k].to("cpu", copy=True)
+                    token_tap(row.request.seq_id, codes, st.pending_hidden[row.slot, :k].to("cpu", copy=True))
+            finished = not alive[row.slot]
+            if finished or row.undecoded >= self._target(row):
+                row.decodes += 1
+                row.undecoded = 0
+                window = row.decoder.plan(final=finished)
+                if window is not None:
+                    windows.append((row, window))
+        audio = self._decode(windows)
+        empty = np.zeros(0, dtype=np.float32)
+        return [
+            StepResult(
+                seq_id=row.request.seq_id,
+                audio=audio.get(row.request.seq_id, empty),
+                tokens=produced[row.slot],
+                finished=not alive[row.slot],
+            )
+            for row in rows
+        ]
+
+    def _decode(self, windows: list[tuple[Row, DecodeWindow]]) -> dict[int, npt.NDArray[np.float32]]:
+        if not windows:
+            return {}
+        wavs = self.vocoder.decode([w.hiddens for _, w in windows])
+        done = zip(windows, wavs, strict=True)
+        return {row.request.seq_id: row.decoder.finish(window, wav) for (row, window), wav in done}

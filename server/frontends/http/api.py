@@ -1,0 +1,318 @@
+"""OpenAI-compatible HTTP speech endpoint (aiohttp), beside the WebSocket, same inference loop.
+
+``POST /v1/audio/speech`` takes OpenAI's JSON body, turns it into a
+:class:`~server.streams.request.SpeechRequest` and opens one more stream through
+:class:`~server.streams.service.SpeechService` (same validation, limits, engine and
+encoders as the WebSocket path). The audio goes out as a chunked body while
+it is generated, read by the service's one outbox reader (I/O glue only).
+A client that disconnects cancels its stream: HTTP streams cannot be
+resumed, so they are freed at once. ``GET /v1/models`` and
+``GET /v1/audio/voices`` are for discovery. Errors use OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, with our wire codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import struct
+from contextlib import aclosing
+from typing import Final
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from server.config import Settings
+from server.errors import ServiceError
+from server.frontends.access import AccessDenied, AccessGate
+from server.frontends.codes import code_of
+from server.frontends.common import (
+    OPENAI_VOICES,
+    RefinePrompt,
+    Seed,
+    SendAborted,
+    ServerInfo,
+    Temperature,
+    TopK,
+    TopP,
+    abort_transport,
+    send_within,
+)
+from server.frontends.http.common import CLIENT, counted_error, error_response, service_error
+from server.frontends.http.voices import VoicesApi
+from server.metrics import Metrics
+from server.streams.outbox import Failure, Frame
+from server.streams.request import SpeechRequest
+from server.streams.service import SpeechService
+from server.streams.stream import Lease, Stream
+
+log = logging.getLogger(__name__)
+
+#: OpenAI ``response_format`` → (our format, default rate, Content-Type). OpenAI's ``opus`` is Ogg Opus.
+FORMATS: Final = {
+    "pcm": ("pcm16", 24_000, "audio/pcm"),
+    "wav": ("pcm16", 24_000, "audio/wav"),
+    "opus": ("ogg", 24_000, "audio/ogg; codecs=opus"),
+    "mp3": ("mp3", 24_000, "audio/mpeg"),
+    "flac": ("flac", 24_000, "audio/flac"),
+    # Not OpenAI's: G.711 μ-law for telephony; audio/basic is 8 kHz mono μ-law (RFC 2046).
+    "mulaw": ("mulaw", 8_000, "audio/basic"),
+}
+#: OpenAI's default. (``aac`` is not produced: see docs/protocol.md, Formats.)
+DEFAULT_FORMAT: Final = "mp3"
+#: Model names accepted (any string is; these are advertised). All are the same ChatTTS model.
+MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+#: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
+OPENAI_SPEED: Final = (0.25, 4.0)
+OUR_SPEED: Final = (0.5, 2.0)
+
+
+class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
+    """OpenAI's custom-voice object form, ``{"id": "..."}``."""
+
+    id: str
+
+
+class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):
+    """The body of ``POST /v1/audio/speech``; unknown fields are ignored."""
+
+    input: str
+    model: str = "chattts"
+    voice: str | VoiceRef = "alloy"
+    response_format: str = DEFAULT_FORMAT
+    speed: float = 1.0
+    instructions: str | None = None  # accepted; ChatTTS has no instruction control
+    stream_format: str = "audio"
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    sample_rate: int | None = None  # extension: 16000, 24000 or 48000
+    refine: bool = False  # extension: ChatTTS's refinement pass first
+    refine_prompt: RefinePrompt = ""  # extension: its controls, "[oral_2][laugh_0][break_6]"
+
+
+_decoder: Final = msgspec.json.Decoder(SpeechBody)
+_PARAM = re.compile(r"\$\.(\w+)|field `(\w+)`")
+
+
+def wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    unknown = struct.pack("<I", 0xFFFFFFFF)
+    return b"RIFF" + unknown + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + unknown
+
+
+def _param_of(text: str) -> str | None:
+    match = _PARAM.search(text)
+    return (match.group(1) or match.group(2)) if match else None
+
+
+class BodyError(Exception):
+    """A request body problem, naming the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+class _ClientGone(Exception):
+    """The client disconnected, stopped reading, or the stream failed after the headers went out."""
+
+
+class _StreamFailed(Exception):
+    """The stream failed; its error goes out as JSON if no audio has yet."""
+
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class HttpApi:
+    """The aiohttp server for the OpenAI-compatible routes, on the app's event loop."""
+
+    def __init__(
+        self, service: SpeechService, info: ServerInfo, gate: AccessGate, settings: Settings, metrics: Metrics
+    ) -> None:
+        self.service = service
+        self.info = info
+        self.gate = gate
+        self.settings = settings
+        self.metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None  # bound port once started; None when off
+
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
+        web_app = web.Application(client_max_size=self.settings.max_message_bytes, middlewares=[self._guard])
+        web_app.router.add_post("/v1/audio/speech", self.speech)
+        web_app.router.add_get("/v1/models", self.models)
+        web_app.router.add_get("/v1/audio/voices", self.voices)
+        VoicesApi(self.service, self.settings, self.metrics).add_routes(web_app)
+        # handler_cancellation: a client that disconnects cancels its handler at once, even
+        # while the handler waits for audio, so its generation stops within one block.
+        self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        self.port = int(sock.getsockname()[1])
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.settings.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop listening; responses still running are cancelled (their streams freed)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """API keys and origins as on the WebSocket; aiohttp's own errors in OpenAI's shape."""
+        try:
+            request[CLIENT] = self.gate.admit(request.path_qs, request.headers, request.remote or "?")
+        except AccessDenied as denied:
+            if denied.kind == "unauthorized":
+                return error_response(401, "invalid_api_key", denied.message)
+            return error_response(403, "forbidden", denied.message)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, "bad_request", f"{request.method} {request.path}: {exc.reason}")
+
+    # --- discovery -----------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: every name is the same ChatTTS model."""
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "chattts-stream"} for m in MODELS]
+        return web.json_response({"object": "list", "data": data})
+
+    async def voices(self, request: web.Request) -> web.Response:
+        """``GET /v1/audio/voices``: OpenAI names (what they map to), the engine's, those from recordings."""
+        data: list[dict[str, object]] = [
+            {"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()
+        ]
+        data += [{"id": v, "voice": v} for v in self.info.voices]
+        data += [{**v.describe(), "voice": v.id} for v in self.service.voices.all()]
+        return web.json_response(
+            {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
+        )
+
+    # --- speech --------------------------------------------------------------------
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/audio/speech``: validate, open a stream, send its audio as it comes."""
+        lease = Lease(lambda reason: self._abort(request, reason))
+        try:
+            self.service.check_accepting()
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                message = f"request body over {self.settings.max_message_bytes} bytes"
+                return counted_error(self.metrics, 413, "bad_request", message)
+            body, fmt = _parse(raw)
+            self.service.check_rate(request[CLIENT])
+            stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
+        except BodyError as err:
+            return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
+        except ServiceError as exc:
+            return service_error(exc, self.metrics)
+        try:
+            return await self._send_audio(request, stream, lease, FORMATS[fmt][2])
+        except _ClientGone:
+            return web.Response()  # never sent: aiohttp finds the connection gone
+        finally:
+            # Cancelled too (client gone, server stopping): nothing can resume an HTTP stream.
+            self.service.abandon(stream)
+
+    async def _send_audio(
+        self, request: web.Request, stream: Stream, lease: Lease, content_type: str
+    ) -> web.StreamResponse:
+        """Send every frame payload as it appears; all ready frames go out in one chunk.
+
+        The headers wait for the first audio, so a stream that fails before any gets a
+        JSON error; one that fails later is cut off (the chunked body never ends cleanly).
+        """
+        outbox = stream.outbox
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-store"})
+        response.enable_chunked_encoding()
+
+        try:
+            async with aclosing(stream.deliver(lease, outbox.sent_index)) as runs:
+                async for items in runs:
+                    chunk = bytearray()
+                    for item in items:
+                        if isinstance(item, Frame):
+                            chunk += item.payload
+                        elif isinstance(item, Failure):
+                            raise _StreamFailed(item.error)
+                    if chunk or (outbox.ended and not response.prepared):
+                        if not response.prepared:
+                            await response.prepare(request)
+                            if content_type == "audio/wav":
+                                chunk[:0] = wav_header(outbox.sample_rate)
+                        await self._write(request, response, bytes(chunk))
+        except _StreamFailed as failed:
+            if not response.prepared:
+                return service_error(failed.error, self.metrics)
+            self.metrics.errors.labels(code=code_of(failed.error)).inc()
+            self._abort(request, f"stream failed: {code_of(failed.error)}")
+            raise _ClientGone from None
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            raise _ClientGone from None
+        return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        try:
+            timeout = self.settings.send_timeout_s
+            await send_within(response.write(data), timeout, lambda reason: self._abort(request, reason))
+        except (SendAborted, ConnectionError):  # aiohttp's ClientConnectionResetError is a ConnectionError
+            raise _ClientGone from None
+        self.metrics.bytes_sent.inc(len(data))
+
+    def _abort(self, request: web.Request, reason: str) -> None:
+        """Drop the client's TCP connection (a reader that falls behind, or a failed stream)."""
+        abort_transport(request.transport, self.metrics, f"HTTP response to {request.remote}", reason)
+
+
+def _parse(raw: bytes) -> tuple[SpeechBody, str]:
+    try:
+        body = _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise BodyError("bad_request", f"malformed JSON: {exc}") from None
+    fmt = body.response_format
+    if fmt not in FORMATS:
+        message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"
+        raise BodyError("unsupported", message, "response_format")
+    if body.stream_format != "audio":
+        raise BodyError("unsupported", "only stream_format 'audio' is supported (no 'sse')", "stream_format")
+    if not OPENAI_SPEED[0] <= body.speed <= OPENAI_SPEED[1]:
+        low, high = OPENAI_SPEED
+        raise BodyError("bad_request", f"speed must be within {low} and {high}", "speed")
+    return body, fmt
+
+
+def _request_of(body: SpeechBody, fmt: str) -> SpeechRequest:
+    our_format, rate, _ = FORMATS[fmt]
+    voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
+    return SpeechRequest(
+        name="http",
+        text=body.input,
+        voice=OPENAI_VOICES.get(voice, voice),
+        speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
+        format=our_format,
+        sample_rate=body.sample_rate or rate,
+        seed=body.seed,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        refine=body.refine,
+        refine_prompt=body.refine_prompt,
+    )

@@ -1,0 +1,122 @@
+"""One WebSocket connection: bytes ⇄ :class:`~server.frontends.websocket.session.ConnectionProtocol`.
+
+I/O glue only. The reader loop hands each client message to the protocol and
+carries out the actions it returns; each attached stream's items are sent by
+its own pump task (through the service's one outbox reader), so a stream
+waiting on the model never delays another. Every send has a timeout: a
+client that stops reading is aborted rather than allowed to hold buffers.
+When the connection ends, its unfinished streams are detached, not
+cancelled: generation goes on and a new connection may ``resume`` them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from server.frontends.common import SendAborted, ServerInfo, abort_transport, send_within
+from server.frontends.websocket.session import (
+    Action,
+    Attachment,
+    Close,
+    ConnectionProtocol,
+    Send,
+    StartPump,
+    StopPump,
+)
+from server.metrics import Metrics
+from server.streams.service import SpeechService
+
+
+class Connection:
+    """Serves one client connection until it closes."""
+
+    def __init__(
+        self,
+        ws: ServerConnection,
+        service: SpeechService,
+        info: ServerInfo,
+        *,
+        client: str,
+        send_timeout_s: float,
+        metrics: Metrics,
+    ) -> None:
+        self.ws = ws
+        self._service = service
+        self._send_timeout_s = send_timeout_s
+        self._metrics = metrics
+        request = ws.request
+        route = request.headers.get("X-Request-ID") if request is not None else None
+        self.protocol = ConnectionProtocol(
+            service, info, client=client, route=route, abort=self.abort, metrics=metrics
+        )
+        self._pumps: dict[Attachment, asyncio.Task[None]] = {}
+        self._aborted = False
+
+    async def run(self) -> None:
+        """Say hello, serve messages until the client leaves, then detach every stream."""
+        try:
+            await self._send(self.protocol.hello())
+            async for raw in self.ws:
+                await self._carry_out(self.protocol.receive(raw))
+        except (ConnectionClosed, SendAborted):
+            pass
+        finally:
+            pumps = list(self._pumps.values())
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self.protocol.connection_lost()
+
+    def abort(self, reason: str) -> None:
+        """Drop the TCP connection at once (no close handshake: the peer is not reading)."""
+        if self._aborted:
+            return
+        self._aborted = True
+        abort_transport(self.ws.transport, self._metrics, f"connection from {self.ws.remote_address}", reason)
+
+    async def close_if_idle(self) -> None:
+        """During a drain, close with 1012 once no stream is left."""
+        await self._carry_out(self.protocol.close_if_idle())
+
+    async def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                await self._send(action.data)
+            elif isinstance(action, StartPump):
+                attachment = action.attachment
+                self._pumps[attachment] = asyncio.create_task(
+                    self._pump(attachment, action.index), name=f"pump-{attachment.slot}"
+                )
+            elif isinstance(action, StopPump):
+                pump = self._pumps.pop(action.attachment, None)
+                if pump is not None:
+                    pump.cancel()
+                    await asyncio.gather(pump, return_exceptions=True)
+            elif isinstance(action, Close):
+                await self.ws.close(action.code, action.reason)
+
+    async def _pump(self, attachment: Attachment, index: int) -> None:
+        """Send the stream's items as they come, until ``done`` or the stream moves away."""
+        try:
+            async with aclosing(attachment.stream.deliver(attachment.lease, index)) as runs:
+                async for items in runs:
+                    for item in items:
+                        data = self.protocol.render(attachment, item)
+                        await self._send(data)
+                        if isinstance(data, bytes):
+                            self._metrics.bytes_sent.inc(len(data))
+        except (ConnectionClosed, SendAborted):
+            return
+        finally:
+            if self._pumps.get(attachment) is asyncio.current_task():
+                del self._pumps[attachment]
+        await self._carry_out(self.protocol.pump_ended(attachment))
+
+    async def _send(self, data: str | bytes) -> None:
+        if self._aborted:
+            raise SendAborted
+        await send_within(self.ws.send(data), self._send_timeout_s, self.abort)

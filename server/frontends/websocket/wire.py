@@ -1,0 +1,347 @@
+"""Wire protocol v1: message types, parsing with error codes, every server message, the audio header.
+
+Pure values in, pure values out: nothing here touches sockets or asyncio,
+so every rule of ``docs/protocol.md`` is testable with plain strings. This is
+also where domain errors (``server.errors``) get their wire codes
+(:func:`server.frontends.codes.code_of`), shared with the other front ends.
+Validation of client messages is done by ``msgspec`` (typed structs with a
+``type`` tag), which gives precise messages such as
+``Expected `str`, got `int` - at `$.id```.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from server import errors
+from server.frontends.codes import code_of
+from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
+from server.streams.outbox import Done, Frame, SegmentMark
+from server.streams.request import SpeechRequest
+
+PROTOCOL_VERSION: Final = 1
+HEADER = struct.Struct("<BBHII")
+HEADER_SIZE: Final = HEADER.size  # 12
+FLAG_LAST: Final = 0x01
+FLAG_SEGMENT_START: Final = 0x02
+
+# Stream ids are client strings; bound them so they cannot bloat replies.
+MAX_ID_CHARS: Final = 128
+# Without an explicit bound a request could ask for absurd sampling values.
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class ProtocolError(Exception):
+    """A client error with a stable wire ``code``; answered with an ``error`` message.
+
+    Attributes:
+        code: one of the codes of the protocol's error table.
+        message: human readable, safe to send (no internals).
+        name: the client's id of the stream the error concerns, if one.
+        retry_after_ms: set when retrying later may succeed.
+        token: the resume token the client sent (resume errors name it).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        name: str | None = None,
+        retry_after_ms: int | None = None,
+        token: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.name = name
+        self.retry_after_ms = retry_after_ms
+        self.token = token
+
+
+def wire_error(
+    error: errors.ServiceError, *, name: str | None = None, token: str | None = None
+) -> ProtocolError:
+    """A domain error as the ``error`` message it is answered with."""
+    return ProtocolError(
+        code_of(error), error.message, name=name, retry_after_ms=error.retry_after_ms, token=token
+    )
+
+
+class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, frozen=True):
+    """Base of client messages; unknown extra fields are ignored (forward compatibility)."""
+
+
+class Start(_Message, tag="start", frozen=True):
+    """Begin a stream."""
+
+    id: Id
+    text: str | None = None
+    voice: str = "default"
+    speed: Speed = 1.0
+    format: str = "pcm16"
+    sample_rate: int = 24_000
+    seed: Seed | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    incremental: bool = False
+    max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] | None = None
+    refine: bool = False
+    refine_prompt: RefinePrompt = ""
+
+
+class Cancel(_Message, tag="cancel", frozen=True):
+    """Stop a stream now."""
+
+    id: Id
+
+
+class Append(_Message, tag="append", frozen=True):
+    """Add text to an incremental stream."""
+
+    id: Id
+    text: str
+
+
+class Flush(_Message, tag="flush", frozen=True):
+    """Speak an incremental stream's buffered text now."""
+
+    id: Id
+
+
+class End(_Message, tag="end", frozen=True):
+    """No more text for an incremental stream."""
+
+    id: Id
+
+
+class Resume(_Message, tag="resume", frozen=True):
+    """Re-attach a stream after a reconnect."""
+
+    stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    after_seq: Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1)] = -1
+
+
+ClientMessage = Start | Cancel | Append | Flush | End | Resume
+_decoder: Final = msgspec.json.Decoder(ClientMessage)
+_probe: Final = msgspec.json.Decoder(dict[str, Any])
+
+
+def parse_client_message(raw: str | bytes) -> ClientMessage:
+    """Decode and validate one text frame from a client.
+
+    Raises:
+        ProtocolError: ``bad_request`` with a message naming the problem.
+    """
+    if isinstance(raw, bytes):
+        raise ProtocolError("bad_request", "binary frames are not accepted from clients; send JSON text")
+    try:
+        return _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("bad_request", _describe(exc), name=_name_of(raw)) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    if "`$.type`" in text or "Object missing required field `type`" in text:
+        return f"unknown or missing message type ({text}); expected one of {sorted(_TYPES)}"
+    return f"invalid message: {text}"
+
+
+_TYPES: Final = ("start", "cancel", "append", "flush", "end", "resume")
+
+
+def _name_of(raw: str) -> str | None:
+    """Best-effort ``id`` of an invalid message, so the error can name the stream."""
+    try:
+        value = _probe.decode(raw).get("id")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
+
+
+def speech_request(msg: Start) -> SpeechRequest:
+    """The service's request for a ``start`` message."""
+    return SpeechRequest(
+        name=msg.id,
+        text=msg.text,
+        voice=msg.voice,
+        speed=msg.speed,
+        format=msg.format,
+        sample_rate=msg.sample_rate,
+        seed=msg.seed,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        incremental=msg.incremental,
+        max_buffer_delay_ms=msg.max_buffer_delay_ms,
+        refine=msg.refine,
+        refine_prompt=msg.refine_prompt,
+    )
+
+
+# --- server to client -------------------------------------------------------
+
+_encoder: Final = msgspec.json.Encoder()
+
+
+def encode(message: dict[str, Any]) -> str:
+    """Serialize a server message (compact JSON, UTF-8 text)."""
+    return _encoder.encode(message).decode("utf-8")
+
+
+def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
+    """The first message on every connection (``weights`` when the engine says what it loaded).
+
+    ``voices``: the voice names now (voices made from recordings come and go).
+    """
+    message: dict[str, Any] = {
+        "type": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "server": info.server,
+        "sample_rate": info.sample_rate,
+        "sample_rates": list(info.sample_rates),
+        "formats": list(info.formats),
+        "voices": list(voices),
+        "max_text_chars": info.max_text_chars,
+        "max_streams": info.max_streams,
+        "resume_ttl_s": info.resume_ttl_s,
+    }
+    if info.weights is not None:
+        message["weights"] = info.weights
+    return encode(message)
+
+
+def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int) -> str:
+    """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first)."""
+    message: dict[str, Any] = {
+        "type": "started",
+        "id": name,
+        "slot": slot,
+        "stream": token,
+        "format": fmt,
+        "sample_rate": sample_rate,
+        "frame_ms": 20,
+    }
+    if preskip:
+        message["preskip"] = preskip
+    return encode(message)
+
+
+def resumed(
+    name: str,
+    slot: int,
+    token: str,
+    after_seq: int,
+    fmt: str,
+    sample_rate: int,
+    preskip: int,
+    text_received: int | None = None,
+) -> str:
+    """The answer to ``resume``; every item after ``after_seq`` follows.
+
+    ``text_received`` (incremental streams only): how many ``append``/``flush``/``end``
+    messages the server has read for the stream, so the client re-sends the rest.
+    """
+    message: dict[str, Any] = {
+        "type": "resumed",
+        "id": name,
+        "slot": slot,
+        "stream": token,
+        "after_seq": after_seq,
+        "format": fmt,
+        "sample_rate": sample_rate,
+    }
+    if preskip:
+        message["preskip"] = preskip
+    if text_received is not None:
+        message["text_received"] = text_received
+    return encode(message)
+
+
+def segment(name: str, slot: int, mark: SegmentMark) -> str:
+    """A text segment starts in the frame with seq ``mark.position``."""
+    return encode(
+        {
+            "type": "segment",
+            "id": name,
+            "slot": slot,
+            "seq": mark.position,
+            "sample": mark.sample,
+            "text": mark.text,
+        }
+    )
+
+
+def done(name: str, slot: int, item: Done) -> str:
+    """The stream's last message."""
+    return encode(
+        {
+            "type": "done",
+            "id": name,
+            "slot": slot,
+            "reason": item.reason,
+            "last_seq": item.last_seq,
+            "samples": item.samples,
+        }
+    )
+
+
+def frame(slot: int, item: Frame) -> bytes:
+    """An audio frame with its 12-byte header, ready to send as one binary message."""
+    flags = (FLAG_LAST if item.last else 0) | (FLAG_SEGMENT_START if item.segment_start else 0)
+    return HEADER.pack(PROTOCOL_VERSION, flags, slot, item.position, item.sample) + item.payload
+
+
+def error(err: ProtocolError) -> str:
+    """An ``error`` message for ``err``."""
+    message: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message}
+    if err.name is not None:
+        message["id"] = err.name
+    if err.retry_after_ms is not None:
+        message["retry_after_ms"] = err.retry_after_ms
+    if err.token is not None:  # resume errors name the token the client sent
+        message["stream"] = err.token
+    return encode(message)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """The 12-byte header in front of every binary audio frame."""
+
+    flags: int
+    slot: int
+    seq: int
+    sample: int
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the stream's last frame."""
+        return bool(self.flags & FLAG_LAST)
+
+    @property
+    def segment_start(self) -> bool:
+        """Whether a new text segment starts in this frame."""
+        return bool(self.flags & FLAG_SEGMENT_START)
+
+
+def unpack_frame(frame: bytes) -> tuple[FrameHeader, bytes]:
+    """Split a binary message into its header and payload.
+
+    Raises:
+        ValueError: shorter than the header or an unknown version.
+    """
+    if len(frame) < HEADER_SIZE:
+        raise ValueError(f"frame of {len(frame)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    version, flags, slot, seq, sample = HEADER.unpack_from(frame)
+    if version != PROTOCOL_VERSION:
+        raise ValueError(f"unknown frame version {version}")
+    return FrameHeader(flags=flags, slot=slot, seq=seq, sample=sample, version=version), frame[HEADER_SIZE:]

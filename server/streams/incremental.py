@@ -1,0 +1,120 @@
+"""Incremental text input: ``append``/``flush``/``end`` for streams started with ``incremental``.
+
+A :class:`TextFeed` belongs to one stream. It buffers text
+(:class:`~server.text.segments.TextBuffer`), hands each complete segment to the
+stream's :class:`~server.core.client.Generation` at once, and speaks an
+incomplete clause when no text has arrived for ``max_buffer_delay_ms`` (the
+stall timer restarts on every ``append``). All of it runs on the event loop;
+the timer is owned and cancelled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from server.core.client import Generation
+from server.errors import InvalidRequest, TextTooLong
+from server.text import tags
+from server.text.segments import TextBuffer
+
+
+class TextFeed:
+    """The text side of one incremental stream (its first text already went out with the stream)."""
+
+    def __init__(
+        self,
+        generation: Generation,
+        buffer: TextBuffer,
+        *,
+        total_chars: int,
+        max_total_chars: int,
+        max_pending_chars: int,
+        delay_s: float,
+    ) -> None:
+        self._generation = generation
+        self.buffer = buffer
+        self.total_chars = total_chars
+        self.max_total_chars = max_total_chars
+        self.max_pending_chars = max_pending_chars
+        self.delay_s = delay_s
+        self.ended = False
+        #: ``append``/``flush``/``end`` messages read for this stream, taken or refused: a
+        #: resumed client re-sends the ones after this count (lost with its old connection).
+        self.received = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def append(self, text: str) -> None:
+        """More text.
+
+        Raises:
+            InvalidRequest: the text already ended, or a control tag is unknown or cannot close.
+            TextTooLong: over the stream's total, or too much waiting for a sentence end.
+        """
+        self.received += 1
+        self._check_open()
+        self._check_tags(self.buffer.pending + text, open_end=True)
+        if self.total_chars + len(text) > self.max_total_chars:
+            raise TextTooLong(f"the stream's text would exceed {self.max_total_chars} characters")
+        if len(self.buffer.pending) + len(text) > self.max_pending_chars:
+            raise TextTooLong(
+                f"more than {self.max_pending_chars} characters wait for a sentence end; send `flush`"
+            )
+        self.total_chars += len(text)
+        self._submit(self.buffer.append(text))
+        self._arm()
+
+    def flush(self) -> None:
+        """Speak what is buffered now (refused while a control tag is still open)."""
+        self.received += 1
+        self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
+        self._submit(self.buffer.take_all())
+        self._disarm()
+
+    def end(self) -> None:
+        """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
+        self.received += 1
+        self._check_open()
+        self._check_tags(self.buffer.pending, open_end=False)
+        self._submit(self.buffer.take_all())
+        self._disarm()
+        self.ended = True
+        self._generation.end_input()
+
+    def close(self) -> None:
+        """The stream is over (cancelled, failed or freed): stop the timer."""
+        self.ended = True
+        self._disarm()
+
+    def _check_open(self) -> None:
+        if self.ended:
+            raise InvalidRequest("the stream already ended its text")
+
+    @staticmethod
+    def _check_tags(text: str, *, open_end: bool) -> None:
+        """Control tags must be known; a tag may stay open only while more text can come."""
+        problem = tags.problem(text, open_end=open_end)
+        if problem is not None:
+            raise InvalidRequest(problem)
+
+    def _submit(self, segments: list[str]) -> None:
+        for segment in segments:
+            self._generation.append(segment)
+
+    def _arm(self) -> None:
+        """(Re)start the stall timer while text is pending."""
+        self._disarm()
+        if self.buffer.pending.strip() and not self.ended:
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self._stalled)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _stalled(self) -> None:
+        self._timer = None
+        if not self.ended:
+            self._submit(self.buffer.take_clause())
+            self._arm()

@@ -1,0 +1,313 @@
+"""One stream on the event loop: engine events → encoder → outbox, its text input, its lifecycle.
+
+A :class:`Stream` is built complete by the service (its encoder, outbox,
+generation and text input exist before it does) and owns its lifecycle: the
+state, every transition, and the metrics they count::
+
+    ATTACHED ── connection lost ──▶ DETACHED ── TTL or replay budget ──▶ EXPIRED
+       │  ▲                            │
+       │  └────────── resume ──────────┘     (a resume may also move an ATTACHED
+       └── done sent ──▶ DELIVERED             or DELIVERED stream to a new owner)
+    DELIVERED ── TTL ──▶ CLOSED;   any state ── close ──▶ CLOSED
+
+Each stream is counted once in ``chattts_streams{reason}``: when its ``done``
+is first delivered (its done reason), when it expires (``expired``), or when it
+is closed before that (the reason given); ``chattts_active_streams`` counts
+those not counted yet. Light formats (PCM) are encoded inline on the event
+loop; CPU-heavy ones (Opus, Ogg) in the encoder pool, one call at a time (the
+encoders are stateful), so the event loop never waits for libopus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Executor
+
+from server.audio import CPU_HEAVY_FORMATS
+from server.audio.base import FrameEncoder
+from server.core.client import Generation
+from server.core.events import Audio, Ended, SegmentStarted
+from server.errors import EngineFailed
+from server.metrics import Metrics
+from server.streams.incremental import TextFeed
+from server.streams.outbox import BufferOverflow, Frame, Outbox, OutItem
+
+log = logging.getLogger(__name__)
+_ROUTE = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def new_stream_token(route: str | None = None) -> str:
+    """An unguessable stream token: 192 random bits, URL-safe.
+
+    With a ``route`` (the handshake's ``X-Request-ID`` that the ingress hashed
+    to pick this replica), the token is ``<route>.<secret>``, so that the ingress
+    can hash a reconnect's ``?resume=`` back to the same replica. Only the secret
+    part is unguessable; the route is not secret.
+    """
+    secret = secrets.token_urlsafe(24)
+    if route is not None and _ROUTE.fullmatch(route):
+        return f"{route}.{secret}"
+    return secret
+
+
+def redact(token: str) -> str:
+    """A token as it may appear in logs: the route and 6 characters of the secret."""
+    route, dot, secret = token.rpartition(".")
+    return f"{route}{dot}{secret[:6]}…"
+
+
+class StreamState(enum.Enum):
+    """Where a stream is in its life (see the module docstring for the transitions)."""
+
+    ATTACHED = "attached"  # a front end sends its items
+    DETACHED = "detached"  # lost its connection before done went out: resumable until the TTL
+    DELIVERED = "delivered"  # done went out; kept for the TTL in case the last bytes were lost
+    EXPIRED = "expired"  # not resumed in time (terminal)
+    CLOSED = "closed"  # freed (terminal)
+
+
+class Lease:
+    """A front end's right to send one stream; revoked when the stream moves elsewhere.
+
+    Args:
+        abort: drops the front end's connection (its reader fell too far behind).
+    """
+
+    __slots__ = ("abort", "revoked")
+
+    def __init__(self, abort: Callable[[str], None]) -> None:
+        self.abort = abort
+        self.revoked = False
+
+
+class Stream:
+    """One stream's output side and lifecycle, independent of any connection."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        token: str,
+        encoder: FrameEncoder,
+        outbox: Outbox,
+        lease: Lease,
+        metrics: Metrics,
+        pool: Executor,
+        generation: Generation | None = None,
+        text: TextFeed | None = None,
+        resumable: bool = True,
+        ttl_s: float = 0.0,
+        on_complete: Callable[[Stream], None] | None = None,
+        on_freed: Callable[[Stream], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name  # the client's id for the stream
+        self.token = token
+        self.encoder = encoder
+        self.outbox = outbox
+        #: Where ``append``/``flush``/``end`` go (incremental streams only).
+        self.text = text
+        self.resumable = resumable
+        #: How long it waits for a resume once detached, or lingers once delivered (0: freed at once).
+        self._ttl_s = ttl_s
+        self._generation = generation
+        self._pool = pool if encoder.format in CPU_HEAVY_FORMATS else None
+        self._metrics = metrics
+        self._on_complete = on_complete
+        self._on_freed = on_freed
+        self._clock = clock
+        self.created = clock()
+        self.first_frame_at: float | None = None
+        self._state = StreamState.ATTACHED
+        self._lease: Lease | None = lease
+        self._detached_at: float | None = None
+        self._counted = False
+        metrics.active_streams.inc()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> StreamState:
+        """Where the stream is in its life."""
+        return self._state
+
+    @property
+    def lease(self) -> Lease | None:
+        """The front end sending it now (None while detached or delivered)."""
+        return self._lease
+
+    @property
+    def counted(self) -> bool:
+        """Its end was counted (delivered, expired or closed): no longer active."""
+        return self._counted
+
+    def idle_since(self) -> float | None:
+        """When it lost its sender (detached or delivered); None while attached or gone."""
+        return self._detached_at if self._state in (StreamState.DETACHED, StreamState.DELIVERED) else None
+
+    @property
+    def busy(self) -> bool:
+        """A drain waits for it: still generating, or items left for a live sender."""
+        live = self._state in (StreamState.ATTACHED, StreamState.DETACHED)
+        return live and (not self.outbox.ended or self._state is StreamState.ATTACHED)
+
+    def attach(self, lease: Lease) -> None:
+        """``lease`` sends the stream from now on; a previous sender's lease is revoked."""
+        if self._state in (StreamState.EXPIRED, StreamState.CLOSED):
+            raise RuntimeError(f"stream {redact(self.token)} is {self._state.value}")
+        self._revoke()
+        self._lease = lease
+        self._state = StreamState.ATTACHED
+        self._detached_at = None
+        self.outbox.attached = True
+
+    def detach(self, lease: Lease) -> None:
+        """``lease``'s connection is gone: the resume TTL starts, or (TTL 0) the stream expires.
+
+        A no-op if the stream moved on to another sender.
+        """
+        if self._lease is not lease:
+            return
+        if self._ttl_s <= 0:
+            self.expire()
+            return
+        self._release(StreamState.DETACHED)
+        log.info("stream %s detached; resumable for %.0f s", redact(self.token), self._ttl_s)
+
+    def _delivered(self, lease: Lease) -> None:
+        """``lease`` handed ``done`` to its socket: count the stream; keep it for the TTL or free it."""
+        if self._lease is not lease:
+            return
+        self._count(self.outbox.done_reason or "error")
+        if self.resumable and self._ttl_s > 0:
+            self._release(StreamState.DELIVERED)
+        else:
+            self._free(StreamState.CLOSED)
+
+    def expire(self) -> None:
+        """Not resumed within the TTL (or evicted to fit the replay budget): free it."""
+        if self._state is StreamState.DETACHED:
+            log.info("stream %s expired: not resumed in time", redact(self.token))
+        self._count("expired")
+        self._free(StreamState.EXPIRED)
+
+    def close(self, reason: str = "expired") -> None:
+        """Free the stream; counted as ``reason`` unless it was counted already."""
+        self._count(reason)
+        self._free(StreamState.CLOSED)
+
+    def _release(self, state: StreamState) -> None:
+        self._lease = None
+        self._state = state
+        self._detached_at = self._clock()
+        self.outbox.attached = False
+
+    def _free(self, state: StreamState) -> None:
+        self._revoke()
+        self._lease = None
+        self._state = state
+        self._detached_at = None
+        self.outbox.attached = False
+        self.cancel()  # no one will read what it would generate
+        if self._on_freed is not None:
+            self._on_freed(self)  # the registry forgets it
+
+    def _revoke(self) -> None:
+        if self._lease is not None:
+            self._lease.revoked = True
+            self.outbox.poke()  # its sender wakes up and leaves
+
+    def _count(self, reason: str) -> None:
+        if not self._counted:
+            self._counted = True
+            self._metrics.streams_total.labels(reason=reason).inc()
+            self._metrics.active_streams.dec()
+
+    # --- sending -----------------------------------------------------------------------
+
+    async def deliver(self, lease: Lease, index: int) -> AsyncGenerator[list[OutItem], None]:
+        """The one outbox reader: every ready run of items from ``index``, in order, pulled by the sender.
+
+        The sender (``lease``'s front end) iterates and puts each run on its wire; asking
+        for the next run is what marks the previous one sent (its frames counted, the
+        first audio observed), so a sender that fails mid-run never marks what it lost.
+        The iteration ends after ``done`` went out (the stream is then delivered: kept
+        for the TTL, or freed) or when the stream moves to another sender. Iterate it
+        under ``contextlib.aclosing`` so that a failed sender closes it at once.
+        """
+        outbox = self.outbox
+        while not lease.revoked:
+            items = outbox.ready(index)
+            if not items:
+                if outbox.ended:
+                    break
+                await outbox.wait_change()
+                continue
+            yield items
+            index += len(items)
+            self.sent(lease, index, sum(1 for item in items if isinstance(item, Frame)))
+        if not lease.revoked:
+            self._delivered(lease)
+
+    def sent(self, lease: Lease, index: int, frames: int) -> None:
+        """``lease`` handed every item before ``index`` (``frames`` of them audio) to its socket."""
+        if lease is not self._lease:
+            return  # the stream moved on meanwhile: the new sender owns the numbering
+        self.outbox.mark_sent(index)
+        if frames:
+            self._metrics.frames_sent.inc(frames)
+            if self.first_frame_at is None:
+                self.first_frame_at = self._clock()
+                self._metrics.time_to_first_audio.observe(self.first_frame_at - self.created)
+
+    # --- the engine's events -----------------------------------------------------------
+
+    def cancel(self) -> None:
+        """The client's ``cancel``: stop generating; ``done`` follows with reason ``cancelled``."""
+        if self._generation is not None:
+            self._generation.abort()
+        if self.text is not None:
+            self.text.close()
+
+    async def run(self) -> None:
+        """Feed the generation's events through the encoder into the outbox, in order."""
+        if self._generation is None:
+            return
+        loop = asyncio.get_running_loop()
+        outbox = self.outbox
+        encoder = self.encoder
+        async for event in self._generation:
+            if self._state in (StreamState.EXPIRED, StreamState.CLOSED):
+                return
+            if isinstance(event, Audio):
+                if self._pool is None:
+                    frames = encoder.push(event.samples)
+                else:
+                    frames = await loop.run_in_executor(self._pool, encoder.push, event.samples)
+                try:
+                    outbox.on_frames(frames, len(event.samples))
+                except BufferOverflow:
+                    if self._lease is not None:
+                        self._lease.abort("too much unsent audio")
+            elif isinstance(event, SegmentStarted):
+                outbox.on_segment(event.text)
+            else:
+                await self._end(event)
+
+    async def _end(self, event: Ended) -> None:
+        if self._pool is None:
+            final = self.encoder.finish()
+        else:
+            final = await asyncio.get_running_loop().run_in_executor(self._pool, self.encoder.finish)
+        if self.text is not None:
+            self.text.close()
+        error = EngineFailed(event.message) if event.reason == "error" else None
+        self.outbox.finish(event.reason, final, error)
+        if event.reason == "complete" and self._on_complete is not None:
+            self._on_complete(self)
