@@ -121,7 +121,8 @@ async def digests(root: Path, engine_flags: list[str]) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--server-root", type=Path, default=Path("."))
     parser.add_argument("--engines", default="fake,tiny", help="fake and/or tiny (the random-weight model)")
     parser.add_argument("--out", type=Path)
