@@ -11,9 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import Settings
+from server.config import Settings, engine_options
 from server.errors import StartupError
-from server.voices.recording import transcript_limit
 
 if TYPE_CHECKING:
     from server.engine_api import Engine
@@ -32,28 +31,16 @@ def cache_root(settings: Settings) -> Path:
     return Path.home() / ".cache" / "chattts-stream"
 
 
-def parse_block_schedule(text: str) -> tuple[int, ...]:
-    """``"8,16,32"`` → ``(8, 16, 32)``; every entry must be a positive integer."""
-    try:
-        blocks = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ModelUnavailable(f"--block-schedule {text!r}: expected integers such as 8,16,32") from None
-    if not blocks or min(blocks) < 1:
-        raise ModelUnavailable(f"--block-schedule {text!r}: every block must be at least 1 token")
-    return blocks
-
-
 def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
-    """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread)."""
-    blocks = parse_block_schedule(settings.block_schedule)
-    if settings.prefill_bucket < 1:
-        raise ModelUnavailable(f"--prefill-bucket {settings.prefill_bucket}: must be at least 1 (1: off)")
-    if settings.segment_max_tokens < 1:
-        raise ModelUnavailable(f"--segment-max-tokens {settings.segment_max_tokens}: must be at least 1")
-    if settings.max_batch < 1:
-        raise ModelUnavailable(f"--max-batch {settings.max_batch}: must be at least 1")
-    if settings.refine_max_tokens < 0:
-        raise ModelUnavailable(f"--refine-max-tokens {settings.refine_max_tokens}: must be 0 (off) or more")
+    """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread).
+
+    Raises:
+        ModelUnavailable: at once, for an engine flag out of range (the message names it).
+    """
+    try:
+        options = engine_options(settings)
+    except ValueError as exc:
+        raise ModelUnavailable(str(exc)) from None
 
     def build() -> Engine:
         from server.engine.chattts.assets import ModelUnavailableError
@@ -74,15 +61,7 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
                 num_threads=settings.threads or None,
                 cache_dir=cache_root(settings) / "hub",
                 verify_weights="none" if settings.verify_weights == "none" else "official",
-                block_schedule=blocks,
-                prefill_bucket=settings.prefill_bucket,
-                warmup_prompt_chars=settings.segment_max_chars,
-                max_batch=settings.max_batch,
-                segment_max_tokens=settings.segment_max_tokens,
-                cuda_graphs=settings.cuda_graphs == "on",
-                refine_max_tokens=settings.refine_max_tokens,
-                voice_max_seconds=settings.voice_max_seconds,
-                voice_transcript_tokens=transcript_limit(settings.voice_max_seconds),
+                options=options,
             )
         except ModelUnavailableError as exc:
             raise ModelUnavailable(_naming_the_flag(str(exc), settings)) from None

@@ -1,17 +1,18 @@
-"""Fixtures for engine tests on the tiny random-weight ChatTTS model (no network)."""
+"""Fixtures for engine tests on the tiny random-weight ChatTTS model (no network).
+
+Every test collected under this folder is marked ``model`` (``-m "not model"`` leaves them out).
+"""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.model.helpers import TEST_DEVICE
+from tests.netguard import loopback_only, network_refused
 
 pytest.importorskip("ChatTTS")
 
@@ -22,58 +23,15 @@ if TEST_DEVICE.startswith("cuda"):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
-
-class NetworkUsed(AssertionError):
-    pass
+HERE = Path(__file__).resolve().parent
 
 
-def _refuse(*args: Any, **kwargs: Any) -> Any:
-    raise NetworkUsed(f"network use attempted: {args!r}")
-
-
-@contextmanager
-def network_refused() -> Iterator[None]:
-    """Fail any connect or DNS lookup (and set HF_HUB_OFFLINE) inside the block."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setattr(socket.socket, "connect", _refuse)
-    mp.setattr(socket.socket, "connect_ex", _refuse)
-    mp.setattr(socket, "getaddrinfo", _refuse)
-    mp.setattr(socket, "create_connection", _refuse)
-    try:
-        yield
-    finally:
-        mp.undo()
-
-
-_real_connect = socket.socket.connect
-_real_getaddrinfo = socket.getaddrinfo
-
-
-def _loopback_connect(sock: socket.socket, address: Any) -> Any:
-    host = address[0] if isinstance(address, tuple) else None
-    if host is None or not ipaddress.ip_address(host).is_loopback:
-        raise NetworkUsed(f"network use attempted: {address!r}")
-    return _real_connect(sock, address)
-
-
-def _loopback_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
-    if host not in ("127.0.0.1", "::1", "localhost", None):
-        raise NetworkUsed(f"DNS lookup attempted: {host!r}")
-    return _real_getaddrinfo(host, *args, **kwargs)
-
-
-@contextmanager
-def loopback_only() -> Iterator[None]:
-    """Like :func:`network_refused`, but loopback connections (our own server) pass."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setattr(socket.socket, "connect", _loopback_connect)
-    mp.setattr(socket, "getaddrinfo", _loopback_getaddrinfo)
-    try:
-        yield
-    finally:
-        mp.undo()
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A conftest's hooks see the whole session's items: mark only this folder's.
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(autouse=True)
@@ -85,16 +43,6 @@ def _no_network_in_model_tests(request: pytest.FixtureRequest) -> Iterator[None]
         return
     with network_refused():
         yield
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from server.engine.chattts.devmodel import make_dev_model
-
-    directory = tmp_path_factory.mktemp("tiny-chattts")
-    with network_refused():
-        make_dev_model("tiny", directory, seed=0)
-    return directory
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,6 @@ import pytest
 
 from server.engine.chattts.assets import ModelUnavailableError, fetch_official, load_chat, read_dev_manifest
 
-pytestmark = pytest.mark.model
-
 
 def test_dev_model_is_marked_and_hash_checked(tiny_model_dir: Path) -> None:
     manifest = read_dev_manifest(tiny_model_dir)

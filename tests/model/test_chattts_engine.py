@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from server.engine.chattts.decode import StreamDecoder, samples_for_tokens
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import Engine, EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
-
-pytestmark = pytest.mark.model
 
 SENTENCES = ["Hello there, this is the first sentence.", "And a second one!", "第三句话，你好。"]
 
@@ -212,7 +211,9 @@ def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: py
 def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
     from server.engine.chattts.engine import ChatTTSEngine
 
-    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16", min_tokens=50)
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16", options=EngineOptions(min_tokens=50)
+    )
     try:
         c = run_to_end(engine, [req(1, "forced", max_tokens=50)])[1]
         assert c.tokens == 50
@@ -246,9 +247,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
         model_dir=tiny_model_dir,
         device=TEST_DEVICE,
         dtype="float32",
-        prefill_bucket=16,
-        warmup_prompt_chars=60,
-        max_batch=32,
+        options=EngineOptions(prefill_bucket=16, warmup_prompt_chars=60, max_batch=32),
     )
     seen, handle = _prefill_lengths(engine)
     try:
@@ -273,7 +272,7 @@ def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_di
 
     assert tiny_engine.prefill_bucket > 1
     exact = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", prefill_bucket=1
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=EngineOptions(prefill_bucket=1)
     )
     seen, handle = _prefill_lengths(exact)
     try:

@@ -22,12 +22,9 @@ right-edge error of a window with no hold-back at all.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from tests.model.helpers import full_size_decoder_and_vocos
-
-pytestmark = pytest.mark.model
 
 
 def _full_size_decode_fn() -> object:

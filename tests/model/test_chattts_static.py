@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
 from tests.model.reference import HostReads, RecordingRunner, plain_generation
-
-pytestmark = pytest.mark.model
 
 TEXTS = [
     "Hello there, this is the first sentence.",
@@ -47,8 +46,14 @@ def req(seq_id: int, text: str, *, seed: int = 7, max_tokens: int = 48, **kw: An
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
     from server.engine.chattts.engine import ChatTTSEngine
 
-    options = {"max_batch": 8, "step_runner": RecordingRunner}
-    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", **options)
+    options = EngineOptions(max_batch=8)
+    eng = ChatTTSEngine.load(
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        options=options,
+        step_runner=RecordingRunner,
+    )
     eng.warmup()
     yield eng
     eng.close()
@@ -140,9 +145,8 @@ def test_at_most_one_host_read_per_token_whatever_the_batch(tiny_model_dir: Path
         model_dir=tiny_model_dir,
         device=TEST_DEVICE,
         dtype="float32",
-        max_batch=8,
-        block_schedule=(8, 8, 16),
-        min_tokens=60,  # no row ends inside the measured blocks
+        # min_tokens: no row ends inside the measured blocks
+        options=EngineOptions(max_batch=8, block_schedule=(8, 8, 16), min_tokens=60),
     )
     counts = {}
     try:
@@ -221,10 +225,10 @@ def test_segment_max_tokens_caps_sequences_and_sizes_the_slots(tiny_model_dir: P
     from server.engine.chattts.engine import ChatTTSEngine
 
     # No refinement and no voices from recordings: the longest prompt is a 120-character segment's.
-    options = {"max_batch": 2, "segment_max_tokens": 12, "min_tokens": 100, "refine_max_tokens": 0}
-    eng = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", voice_max_seconds=0.0, **options
+    options = EngineOptions(
+        max_batch=2, segment_max_tokens=12, min_tokens=100, refine_max_tokens=0, voice_max_seconds=0.0
     )
+    eng = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=options)
     try:
         assert eng.max_len == eng.prefill_length(eng.prompts.prompt_tokens("字" * 120)) + 12
         assert run_to_end(eng, [req(1, "forced", max_tokens=500)])[1].tokens == 12

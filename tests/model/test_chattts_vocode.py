@@ -16,8 +16,6 @@ import torch
 from server.engine.chattts.decode import make_decode_fn, samples_for_tokens
 from tests.model.helpers import full_size_decoder_and_vocos
 
-pytestmark = pytest.mark.model
-
 #: Window lengths as the engine makes them: first blocks (8 + hold-back), steady state
 #: (16 context + 32 + 4), a final short one, and one that is a multiple of the padding unit.
 LENGTHS = [12, 52, 3, 28, 40, 1, 16]

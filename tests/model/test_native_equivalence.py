@@ -33,10 +33,9 @@ import numpy as np
 import pytest
 import torch
 
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import SequenceRequest, SynthesisParams, VoiceSample
 from server.text.normalize import speakable
-
-pytestmark = pytest.mark.model
 
 #: Low enough that every step's top code has probability ~1 in both samplers: the random model's
 #: top two logits sometimes differ by only ~1e-5, which 1e-4 would leave a coin toss.
@@ -246,7 +245,9 @@ def test_long_sequence_equals_native_infer(tiny_model_dir: Path, native: NativeC
     """EOS banned for 96 tokens on both sides: the repetition penalty's window fills many times."""
     from server.engine.chattts.engine import ChatTTSEngine
 
-    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device="cpu", dtype="float32", min_tokens=96)
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device="cpu", dtype="float32", options=EngineOptions(min_tokens=96)
+    )
     try:
         _compare(
             engine,

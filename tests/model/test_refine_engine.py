@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 import torch
 
+from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.refine import RefineParams
 from server.engine_api import EngineError, SequenceRequest, StepResult, SynthesisParams
 from server.text.normalize import speakable
 from tests.model.helpers import TEST_DEVICE
 from tests.model.test_native_equivalence import NEAR_GREEDY, NativeChat
-
-pytestmark = pytest.mark.model
 
 PROMPT = "[oral_2][laugh_0][break_6]"
 REFINE_TOKENS = 24
@@ -45,9 +44,7 @@ def engine(tiny_model_dir: Path) -> Iterator[Any]:
         model_dir=tiny_model_dir,
         device=TEST_DEVICE,
         dtype="float32",
-        block_schedule=(8,),
-        refine_max_tokens=REFINE_TOKENS,
-        max_batch=4,
+        options=EngineOptions(block_schedule=(8,), refine_max_tokens=REFINE_TOKENS, max_batch=4),
     )
     eng.refine_params = RefineParams(temperature=NEAR_GREEDY, max_new_tokens=REFINE_TOKENS)
     yield eng
@@ -190,7 +187,7 @@ def test_refinement_off_refuses_refine_requests(tiny_model_dir: Path) -> None:
     from server.engine.chattts.engine import ChatTTSEngine
 
     eng = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", refine_max_tokens=0
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=EngineOptions(refine_max_tokens=0)
     )
     try:
         assert not eng.info.refine

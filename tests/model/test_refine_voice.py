@@ -19,8 +19,6 @@ from server.engine.chattts.refine import RefineParams, TextRefineJob, TextRefine
 from server.text.normalize import speakable
 from tests.model.test_native_equivalence import NEAR_GREEDY, NativeChat, _compare
 
-pytestmark = pytest.mark.model
-
 TEXTS = [
     "你好，欢迎使用语音服务。",
     "Hello there, short.",

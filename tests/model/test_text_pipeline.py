@@ -18,8 +18,6 @@ from server.engine_api import SynthesisParams
 from server.text.normalize import speakable
 from server.text.tags import TAG
 
-pytestmark = pytest.mark.model
-
 TEXTS = [
     # punctuation of both languages, quotes
     'Hello, world! Isn\'t it great? (Yes.) She said: "fine"; ok - done...',

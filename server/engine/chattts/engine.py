@@ -26,20 +26,20 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import secrets
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any
 
 import numpy as np
 import torch
 
 from server.engine.chattts.assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts.decode import StreamDecoder, make_decode_fn
+from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.prompt import PromptBuilder, PromptLimits
 from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
 from server.engine.chattts.refine_queue import RefineQueue
-from server.engine.chattts.setup import EngineOptions, engine_info, kv_length, resolve_device, resolve_dtype
+from server.engine.chattts.setup import engine_info, kv_length, resolve_device, resolve_dtype
 from server.engine.chattts.step.runner import Row, RunnerFactory, SlotBatch, TokenTap
 from server.engine.chattts.step.sampling import stream_key
 from server.engine.chattts.text import ChatTTSText
@@ -60,13 +60,14 @@ __all__ = ["ChatTTSEngine", "ModelUnavailableError", "resolve_device", "resolve_
 log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
 _NO_AUDIO = np.zeros(0, np.float32)
+_DEFAULT_OPTIONS = EngineOptions()
 
 
 class ChatTTSEngine:
     """ChatTTS behind the :class:`server.engine_api.Engine` protocol.
 
     Build it with :meth:`load`. All methods run on the scheduler's one inference thread.
-    Options: :class:`server.engine.chattts.setup.EngineOptions`.
+    Options: :class:`server.engine.chattts.options.EngineOptions`.
     """
 
     def __init__(
@@ -75,38 +76,34 @@ class ChatTTSEngine:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        options: EngineOptions = _DEFAULT_OPTIONS,
         step_runner: RunnerFactory | None = None,
-        **options: Unpack[EngineOptions],
     ) -> None:
-        self.block_schedule = tuple(int(b) for b in options.get("block_schedule", (8, 16, 32)))
-        self.prefill_bucket = options.get("prefill_bucket", 16)
-        if not self.block_schedule or min(self.block_schedule) < 1:
-            raise ValueError("block_schedule needs at least one positive block size")
-        if self.prefill_bucket < 1:
-            raise ValueError("prefill_bucket must be at least 1 (1: no padding)")
+        #: What it was built with.
+        self.options = options
+        self.block_schedule = options.block_schedule
+        self.prefill_bucket = options.prefill_bucket
         chat = self._chat = loaded.chat
         self._loaded, self.device, self.dtype = loaded, device, dtype
-        self.min_tokens = max(1, options.get("min_tokens", 1))  # ChatTTS never returns an empty sequence
-        self.warmup_prompt_chars = options.get("warmup_prompt_chars", 120)
+        self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
+        self.warmup_prompt_chars = options.warmup_prompt_chars
         self._decode_opts = {
-            "context_tokens": options.get("context_tokens", 16),
-            "holdback_tokens": options.get("holdback_tokens", 4),
-            "crossfade_samples": options.get("crossfade_samples", 256),
+            "context_tokens": options.context_tokens,
+            "holdback_tokens": options.holdback_tokens,
+            "crossfade_samples": options.crossfade_samples,
         }
         self._llama = chat.gpt.gpt.to(dtype=dtype)
         cfg = self._llama.config
         self.hidden_size = int(cfg.hidden_size)
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
-        self.voices = VoiceBank(
-            chat.speaker, self.hidden_size, default_voice=options.get("default_voice", "seed:2")
-        )
+        self.voices = VoiceBank(chat.speaker, self.hidden_size, default_voice=options.default_voice)
         self.text = ChatTTSText(chat.normalizer)
-        voice_seconds = float(options.get("voice_max_seconds", 10.0))
+        voice_seconds = float(options.voice_max_seconds)
         limits = PromptLimits(
             segment_chars=self.warmup_prompt_chars,
-            refine_tokens=max(0, options.get("refine_max_tokens", 384)),
+            refine_tokens=max(0, options.refine_max_tokens),
             voice_seconds=voice_seconds,
-            transcript_tokens=options.get("voice_transcript_tokens", math.ceil(20 * voice_seconds)),
+            transcript_tokens=options.transcript_tokens,
         )
         self.prompts = PromptBuilder(chat, self.text, self.voices, limits, device)
         #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
@@ -115,8 +112,8 @@ class ChatTTSEngine:
         self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
         # One refinement block per step, as long as the longest speech block: see RefineQueue.
         self._refining = RefineQueue(block_tokens=max(self.block_schedule))
-        self.slots = options.get("max_batch", 16)
-        self.segment_max_tokens = options.get("segment_max_tokens", 2048)
+        self.slots = options.max_batch
+        self.segment_max_tokens = options.segment_max_tokens
         self.longest_prompt = self.prompts.longest()
         self.max_len = kv_length(
             longest_prompt=self.longest_prompt,
@@ -134,8 +131,8 @@ class ChatTTSEngine:
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
-            repetition_penalty=options.get("repetition_penalty", 1.05),
-            cuda_graphs=options.get("cuda_graphs", True),
+            repetition_penalty=options.repetition_penalty,
+            cuda_graphs=options.cuda_graphs,
             step_runner=step_runner,
         )
         self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
@@ -163,7 +160,8 @@ class ChatTTSEngine:
         cache_dir: Path | None = None,
         download_timeout_s: float = 5.0,
         verify_weights: Verify = "official",
-        **options: Unpack[EngineOptions],
+        options: EngineOptions = _DEFAULT_OPTIONS,
+        step_runner: RunnerFactory | None = None,
     ) -> ChatTTSEngine:
         """Load the weights and build the engine.
 
@@ -178,7 +176,8 @@ class ChatTTSEngine:
             download_timeout_s: hub timeout; offline fails within about this long.
             verify_weights: ``"official"`` (hash-checked) or ``"none"`` (fine-tuned weights,
                 reported as unverified); see :func:`server.engine.chattts.assets.load_chat`.
-            **options: see :class:`server.engine.chattts.setup.EngineOptions`.
+            options: how it generates, see :class:`server.engine.chattts.options.EngineOptions`.
+            step_runner: the token step's runner factory (tests record the steps with one).
 
         Raises:
             ModelUnavailableError: weights missing, hash mismatch, or hub unreachable.
@@ -193,7 +192,8 @@ class ChatTTSEngine:
             download_timeout_s=download_timeout_s,
             verify=verify_weights,
         )
-        return cls(loaded, device=dev, dtype=resolve_dtype(dtype, dev), **options)
+        dt = resolve_dtype(dtype, dev)
+        return cls(loaded, device=dev, dtype=dt, options=options, step_runner=step_runner)
 
     @property
     def info(self) -> EngineInfo:

@@ -1,14 +1,13 @@
-"""Settings of the ChatTTS engine that are decided once: device, dtype, options, cache length.
+"""Settings of the ChatTTS engine that are decided once: device, dtype, cache length.
 
 Kept apart from the engine itself (:mod:`server.engine.chattts.engine`) so that the
-engine module holds only what runs per request.
+engine module holds only what runs per request; its options are in
+:mod:`server.engine.chattts.options`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TypedDict
 
 import torch
 
@@ -55,49 +54,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; not {dtype!r}")
     return _DTYPES[dtype]
-
-
-class EngineOptions(TypedDict, total=False):
-    """Keyword options of :class:`server.engine.chattts.engine.ChatTTSEngine` (all optional).
-
-    Keys:
-        block_schedule: tokens between a sequence's 1st, 2nd, ... decodes (last repeats).
-        default_voice: what voice ``"default"`` is (``seed:N`` or a speaker string).
-        context_tokens: decode left context, tokens (see :mod:`server.engine.chattts.decode`).
-        holdback_tokens: audio held back at the right edge until more tokens exist.
-        crossfade_samples: crossfade between consecutive decode windows.
-        min_tokens: EOS is banned before this many tokens (benchmarks force lengths with it).
-        repetition_penalty: ChatTTS's penalty over the last 16 codes (1.05).
-        prefill_bucket: prompts are padded up to a multiple of this many tokens, so the
-            kernels see a few prefill shapes instead of one per prompt length (1: no padding).
-        warmup_prompt_chars: the longest segment the server sends (``--segment-max-chars``):
-            warm-up prefills every bucket up to it, and the KV slots are sized for it.
-        max_batch: KV slots, the most sequences alive at once (``--max-batch``).
-        segment_max_tokens: token cap of one sequence; with the longest prompt it sets the
-            KV slots' length.
-        cuda_graphs: capture the token step as CUDA graphs on a CUDA device.
-        refine_max_tokens: the refinement pass's token cap (``--refine-max-tokens``; 0: off); a
-            refined text may be this long, so it sizes the KV slots too.
-        voice_max_seconds: the longest recording a voice is made from (``--voice-max-seconds``;
-            0: off); its codes are part of every prompt in that voice, so it sizes the KV slots.
-        voice_transcript_tokens: the longest transcript of such a recording, in model tokens.
-    """
-
-    block_schedule: Sequence[int]
-    default_voice: str
-    context_tokens: int
-    holdback_tokens: int
-    crossfade_samples: int
-    min_tokens: int
-    repetition_penalty: float
-    prefill_bucket: int
-    warmup_prompt_chars: int
-    max_batch: int
-    segment_max_tokens: int
-    cuda_graphs: bool
-    refine_max_tokens: int
-    voice_max_seconds: float
-    voice_transcript_tokens: int
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("ChatTTS")
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.model  # the tiny ChatTTS model, on the CPU
 
 
 def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:

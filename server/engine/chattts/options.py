@@ -1,0 +1,94 @@
+"""The ChatTTS engine's options: one frozen object, each option with its default and its meaning.
+
+:class:`server.engine.chattts.engine.ChatTTSEngine` takes it whole; the server builds it
+from its flags in :func:`server.config.engine_options`. Pure (no torch), so that settings
+can be checked without loading anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Model tokens a second of recording's transcript may take when no limit is given.
+TRANSCRIPT_TOKENS_PER_SECOND = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How one :class:`~server.engine.chattts.engine.ChatTTSEngine` generates; every field has a default.
+
+    Raises:
+        ValueError: from the constructor, naming the option, for a value the engine cannot run with.
+    """
+
+    block_schedule: tuple[int, ...] = (8, 16, 32)
+    """Tokens between a sequence's 1st, 2nd, ... decodes (the last repeats); each at least 1."""
+
+    default_voice: str = "seed:2"
+    """What voice ``"default"`` is (``seed:N`` or a speaker string)."""
+
+    context_tokens: int = 16
+    """Decode left context, tokens (see :mod:`server.engine.chattts.decode`)."""
+
+    holdback_tokens: int = 4
+    """Audio held back at the right edge until more tokens exist, tokens."""
+
+    crossfade_samples: int = 256
+    """Crossfade between consecutive decode windows, samples."""
+
+    min_tokens: int = 1
+    """EOS is banned before this many tokens (benchmarks force lengths with it); below 1 counts as 1,
+    since ChatTTS never returns an empty sequence."""
+
+    repetition_penalty: float = 1.05
+    """ChatTTS's penalty over the last 16 codes."""
+
+    prefill_bucket: int = 16
+    """Prompts are padded up to a multiple of this many tokens, so the kernels see a few prefill
+    shapes instead of one per prompt length (1: no padding)."""
+
+    warmup_prompt_chars: int = 120
+    """The longest segment the server sends (``--segment-max-chars``): warm-up prefills every
+    bucket up to it, and the KV slots are sized for it."""
+
+    max_batch: int = 16
+    """KV slots, the most sequences alive at once (``--max-batch``)."""
+
+    segment_max_tokens: int = 2048
+    """Token cap of one sequence; with the longest prompt it sets the KV slots' length."""
+
+    cuda_graphs: bool = True
+    """Capture the token step as CUDA graphs on a CUDA device (no effect elsewhere)."""
+
+    refine_max_tokens: int = 384
+    """The refinement pass's token cap (``--refine-max-tokens``; 0, or below: off); a refined text
+    may be this long, so it sizes the KV slots too."""
+
+    voice_max_seconds: float = 10.0
+    """The longest recording a voice is made from (``--voice-max-seconds``; 0: off); its codes are
+    part of every prompt in that voice, so it sizes the KV slots."""
+
+    voice_transcript_tokens: int | None = None
+    """The longest transcript of such a recording, in model tokens (``None``:
+    :data:`TRANSCRIPT_TOKENS_PER_SECOND` a second of ``voice_max_seconds``); read it through
+    :attr:`transcript_tokens`."""
+
+    def __post_init__(self) -> None:
+        blocks = tuple(int(b) for b in self.block_schedule)
+        object.__setattr__(self, "block_schedule", blocks)
+        if not blocks or min(blocks) < 1:
+            raise ValueError(f"block_schedule {blocks!r}: needs at least one block, each at least 1 token")
+        if self.prefill_bucket < 1:
+            raise ValueError(f"prefill_bucket {self.prefill_bucket}: must be at least 1 (1: no padding)")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch {self.max_batch}: must be at least 1 (KV slots)")
+        if self.segment_max_tokens < 1:
+            raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")
+
+    @property
+    def transcript_tokens(self) -> int:
+        """``voice_transcript_tokens``, or its default for ``voice_max_seconds``."""
+        if self.voice_transcript_tokens is not None:
+            return self.voice_transcript_tokens
+        return math.ceil(TRANSCRIPT_TOKENS_PER_SECOND * float(self.voice_max_seconds))
