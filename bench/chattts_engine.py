@@ -33,6 +33,7 @@ from server.engine.chattts.assets import load_chat
 from server.engine.chattts.decode import StreamDecoder
 from server.engine.chattts.devmodel import make_dev_model
 from server.engine.chattts.engine import ChatTTSEngine
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import SequenceRequest, SynthesisParams
 
 TEXT = "Streaming speech should start quickly and never click between chunks."
@@ -164,7 +165,8 @@ def bench_full(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_chat(model_dir=args.model_dir, device=torch.device("cpu"))
     chat = loaded.chat
     result: dict[str, Any] = {"machine": machine(), "model": "full-size random weights (make_dev_model full)"}
-    engine32 = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.float32, min_tokens=args.tokens)
+    forced = EngineOptions(min_tokens=args.tokens)
+    engine32 = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.float32, options=forced)
     spk = engine32.voices.speaker_string("seed:2")
     engine32.warmup()
     native_ttfa(chat, spk, 30)  # warm-up run, not recorded
@@ -185,7 +187,7 @@ def bench_full(args: argparse.Namespace) -> dict[str, Any]:
     }
     d = result["decode"]
     d["ratio_2000_over_10x200"] = d["2000_tokens_s"] / (10 * d["200_tokens_s"])
-    engine16 = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, min_tokens=args.tokens)
+    engine16 = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=forced)
     engine16.warmup()
     result["ours_bf16"] = [ours_ttfa(engine16, args.tokens, 3000 + i) for i in range(args.repeats)]
     result["in_batch_bf16"] = in_batch(engine16, 4000)

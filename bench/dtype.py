@@ -36,6 +36,7 @@ import torch
 from bench.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.machine import describe_machine
 from server.engine.chattts.engine import ChatTTSEngine
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import SequenceRequest, SynthesisParams
 
 SAMPLES_PER_TOKEN = 512
@@ -49,9 +50,8 @@ TEXTS = (
 
 
 def load(model_dir: Path, device: str, dtype: str, tokens: int) -> ChatTTSEngine:
-    engine = ChatTTSEngine.load(
-        model_dir=model_dir, device=device, dtype=dtype, min_tokens=tokens, warmup_prompt_chars=80
-    )
+    options = EngineOptions(min_tokens=tokens, warmup_prompt_chars=80)
+    engine = ChatTTSEngine.load(model_dir=model_dir, device=device, dtype=dtype, options=options)
     engine.warmup()
     return engine
 

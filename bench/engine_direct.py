@@ -54,6 +54,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.options import EngineOptions
     from server.engine_api import SequenceRequest, SynthesisParams
     from server.text.segments import split_segments
 
@@ -63,7 +64,7 @@ def main() -> int:
         device=args.device,
         dtype=args.dtype,
         num_threads=args.threads or None,
-        block_schedule=tuple(int(b) for b in args.block_schedule.split(",")),
+        options=EngineOptions(block_schedule=tuple(int(b) for b in args.block_schedule.split(","))),
     )
     engine.warmup()
     load_s = time.perf_counter() - began

@@ -49,12 +49,16 @@ def main() -> int:
     import torch
 
     from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.options import EngineOptions
     from server.engine.chattts.step.graphs import EagerRunner
     from server.engine.chattts.step.kv import bucket_for
 
     began = time.perf_counter()
     engine = ChatTTSEngine.load(
-        model_dir=args.model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        options=EngineOptions(max_batch=args.max_batch),
     )
     load_s = time.perf_counter() - began
     began = time.perf_counter()

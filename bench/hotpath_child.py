@@ -8,8 +8,10 @@ systems scenario by scenario while each keeps its model loaded.
 
 ``--code-root`` is put first on ``sys.path`` before anything of ``server`` is imported, so
 the same child measures the engine of this tree or of another checkout (the code before a
-change). Only API both versions share is used: ``ChatTTSEngine(loaded, device=, dtype=,
-min_tokens=)``, ``add``/``step``/``drop``/``warmup``; ``max_batch`` is passed when accepted.
+change). Only API both versions share is used: ``ChatTTSEngine(loaded, device=, dtype=)``
+with ``min_tokens`` (and ``max_batch`` where accepted), ``add``/``step``/``drop``/``warmup``.
+The options go in one ``EngineOptions`` where the tree has
+``server/engine/chattts/options.py``, as keyword arguments where it does not.
 
 Time shares come from wrapping the functions each version spends its time in, with
 exclusive accounting (a wrapped call inside another is subtracted from the outer one).
@@ -107,10 +109,17 @@ class EngineSystem:
         instrument_engine(self.profile)
         loaded = load_chat(model_dir=args.model_dir, device=torch.device("cpu"))
         options: dict[str, Any] = {"min_tokens": 1 << 20}  # EOS banned: every job runs to its own length
-        if "options" in str(inspect.signature(ChatTTSEngine.__init__)):  # this tree: KV slots
+        if "options" in str(inspect.signature(ChatTTSEngine.__init__)):  # KV slots
             options["max_batch"] = args.max_batch
         began = time.perf_counter()
-        self.engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, **options)
+        try:  # this tree: one options object
+            from server.engine.chattts.options import EngineOptions
+        except ImportError:  # before: keyword options
+            self.engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, **options)
+        else:
+            self.engine = ChatTTSEngine(
+                loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=EngineOptions(**options)
+            )
         self.engine.warmup()
         self.ready = {"load_and_warmup_s": time.perf_counter() - began, "extra": dict(self.engine.info.extra)}
         self._seq = iter(range(1 << 30))

@@ -36,6 +36,7 @@ from bench.dtype import TEXTS
 from bench.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.machine import describe_machine
 from server.engine.chattts.engine import ChatTTSEngine
+from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.refine import RefineJob, RefineParams, Refiner, RefineRow, TextRefineJob
 from server.engine_api import SequenceRequest, SynthesisParams
 
@@ -67,10 +68,12 @@ def load(args: argparse.Namespace, cap: int) -> ChatTTSEngine:
         model_dir=args.model_dir,
         device=args.device,
         dtype=args.dtype,
-        min_tokens=SPEECH_TOKENS,  # random weights may end a sequence at once: keep every first block
-        refine_max_tokens=cap,
-        warmup_prompt_chars=80,
-        max_batch=max(args.batches_list),
+        options=EngineOptions(
+            min_tokens=SPEECH_TOKENS,  # random weights may end a sequence at once: keep every first block
+            refine_max_tokens=cap,
+            warmup_prompt_chars=80,
+            max_batch=max(args.batches_list),
+        ),
     )
     engine.warmup()
     return engine

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from server.engine.chattts.engine import ChatTTSEngine
+from server.engine.chattts.options import EngineOptions
 from server.engine_api import SequenceRequest, SynthesisParams
 
 WORDS = ["你好", "世界", "hello", "world", "speech", "语音", "合成", "测试", "streaming", "server"]
@@ -36,7 +37,7 @@ def main() -> None:
         device="cpu",
         dtype="auto",
         num_threads=args.threads,
-        prefill_bucket=args.prefill_bucket,
+        options=EngineOptions(prefill_bucket=args.prefill_bucket),
     )
     engine.warmup()
     rng = random.Random(0)

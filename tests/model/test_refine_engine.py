@@ -187,7 +187,10 @@ def test_refinement_off_refuses_refine_requests(tiny_model_dir: Path) -> None:
     from server.engine.chattts.engine import ChatTTSEngine
 
     eng = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=EngineOptions(refine_max_tokens=0)
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        options=EngineOptions(refine_max_tokens=0),
     )
     try:
         assert not eng.info.refine

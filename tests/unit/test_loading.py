@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import load_settings
-from server.engine.loading import ModelUnavailable, chattts_engine_factory, parse_block_schedule
+from server.config import load_settings, parse_block_schedule
+from server.engine.loading import ModelUnavailable, chattts_engine_factory
 
 
 def test_block_schedule_parses_and_rejects_nonsense() -> None:
     assert parse_block_schedule("8,16,32") == (8, 16, 32)
     assert parse_block_schedule("4") == (4,)
     for bad in ("", "8,x", "8,0", "-1"):
-        with pytest.raises(ModelUnavailable, match="--block-schedule"):
+        with pytest.raises(ValueError, match="--block-schedule"):
             parse_block_schedule(bad)
+        with pytest.raises(ModelUnavailable, match="--block-schedule"):
+            chattts_engine_factory(load_settings(["--block-schedule", bad], env={}))
 
 
 def test_prefill_bucket_below_one_is_refused_by_name() -> None:

@@ -1,0 +1,128 @@
+"""The engine's options: one frozen object with the engine's defaults, checked when built, from the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+
+from server.config import engine_options, load_settings
+from server.engine.chattts.options import EngineOptions
+from server.voices.recording import transcript_limit
+
+
+def test_defaults_are_the_engines() -> None:
+    options = EngineOptions()
+    assert options.block_schedule == (8, 16, 32)
+    assert options.default_voice == "seed:2"
+    assert (options.context_tokens, options.holdback_tokens, options.crossfade_samples) == (16, 4, 256)
+    assert options.min_tokens == 1
+    assert options.repetition_penalty == 1.05
+    assert options.prefill_bucket == 16
+    assert options.warmup_prompt_chars == 120
+    assert options.max_batch == 16
+    assert options.segment_max_tokens == 2048
+    assert options.cuda_graphs is True
+    assert options.refine_max_tokens == 384
+    assert options.voice_max_seconds == 10.0
+    assert options.voice_transcript_tokens is None
+    assert options.transcript_tokens == 200  # 20 tokens a second of the longest recording
+
+
+def test_transcript_tokens_follow_the_recording_length_unless_given() -> None:
+    assert EngineOptions(voice_max_seconds=2.5).transcript_tokens == 50
+    assert EngineOptions(voice_max_seconds=0.01).transcript_tokens == math.ceil(20 * 0.01)
+    assert EngineOptions(voice_max_seconds=0.0).transcript_tokens == 0
+    assert EngineOptions(voice_max_seconds=2.5, voice_transcript_tokens=7).transcript_tokens == 7
+
+
+def test_the_object_is_frozen_and_hashable() -> None:
+    options = EngineOptions(max_batch=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.max_batch = 8  # type: ignore[misc]
+    assert hash(options) == hash(EngineOptions(max_batch=4))
+    assert dataclasses.replace(options, max_batch=8).max_batch == 8
+    with pytest.raises(TypeError):
+        EngineOptions(16)  # type: ignore[misc]  # keywords only
+
+
+def test_block_schedule_is_kept_as_a_tuple_of_ints() -> None:
+    listed = EngineOptions(block_schedule=[4, 8])  # type: ignore[arg-type]
+    assert listed.block_schedule == (4, 8)
+    assert listed == EngineOptions(block_schedule=(4, 8))
+    hash(listed)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"block_schedule": ()}, r"block_schedule \(\): needs at least one block"),
+        ({"block_schedule": (8, 0)}, r"block_schedule \(8, 0\): .*each at least 1 token"),
+        ({"block_schedule": (-1,)}, r"block_schedule \(-1,\)"),
+        ({"prefill_bucket": 0}, r"prefill_bucket 0: must be at least 1 \(1: no padding\)"),
+        ({"max_batch": 0}, r"max_batch 0: must be at least 1"),
+        ({"segment_max_tokens": 0}, r"segment_max_tokens 0: must be at least 1"),
+    ],
+)
+def test_values_the_engine_cannot_run_with_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(**values)  # type: ignore[arg-type]
+
+
+def test_values_the_engine_clamps_are_accepted() -> None:
+    # The engine reads min_tokens below 1 as 1 and a negative refinement cap as off, as it always has.
+    assert EngineOptions(min_tokens=0).min_tokens == 0
+    assert EngineOptions(refine_max_tokens=-1).refine_max_tokens == -1
+    assert EngineOptions(prefill_bucket=1).prefill_bucket == 1
+
+
+def test_engine_options_maps_the_flags() -> None:
+    flags = ["--block-schedule", "4,8", "--prefill-bucket", "32", "--segment-max-chars", "80"]
+    flags += ["--max-batch", "3", "--segment-max-tokens", "900", "--cuda-graphs", "off"]
+    flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5"]
+    assert engine_options(load_settings(flags, env={})) == EngineOptions(
+        block_schedule=(4, 8),
+        prefill_bucket=32,
+        warmup_prompt_chars=80,
+        max_batch=3,
+        segment_max_tokens=900,
+        cuda_graphs=False,
+        refine_max_tokens=0,
+        voice_max_seconds=5.0,
+        voice_transcript_tokens=transcript_limit(5.0),
+    )
+    assert engine_options(load_settings([], env={"CHATTTS_MAX_BATCH": "2"})).max_batch == 2
+
+
+def test_the_flags_defaults_are_the_engines() -> None:
+    options = engine_options(load_settings([], env={}))
+    assert options == dataclasses.replace(EngineOptions(), voice_transcript_tokens=transcript_limit(10.0))
+    assert options.transcript_tokens == EngineOptions().transcript_tokens
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--block-schedule", "8,x"], "--block-schedule '8,x': expected integers such as 8,16,32"),
+        (["--block-schedule", "8,0"], "--block-schedule '8,0': every block must be at least 1 token"),
+        (["--prefill-bucket", "0"], "--prefill-bucket 0: must be at least 1 (1: off)"),
+        (["--segment-max-tokens", "0"], "--segment-max-tokens 0: must be at least 1"),
+        (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
+        (["--refine-max-tokens", "-1"], "--refine-max-tokens -1: must be 0 (off) or more"),
+    ],
+)
+def test_engine_options_refuses_a_flag_by_its_name(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        engine_options(load_settings(flags, env={}))
+    assert str(info.value) == message
+
+
+def test_options_and_settings_import_no_torch() -> None:
+    code = (
+        "import sys, server.config, server.engine.chattts.options; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
