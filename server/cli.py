@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         "make-dev-model",
         help="write random ChatTTS weights (for tests, benchmarks and trying the server offline)",
         description="Write random-weight ChatTTS assets in ChatTTS's exact file layout. "
-        "They produce noise, not speech; serve them with --model-dir DIR --allow-dev-model.",
+        "They produce noise, not speech; serve them with --model-dir DIR (the folder's "
+        "DEV_MODEL.json marks them as random weights: they are checked against its hashes).",
     )
     dev.add_argument(
         "--size", choices=("tiny", "full"), default="tiny", help="tiny: tests/CI; full: real shapes"
