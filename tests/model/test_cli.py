@@ -47,7 +47,7 @@ async def test_dev_model_flag_serves_random_weights_loudly_and_drains(tmp_path: 
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        await wait_ready(port, proc)
+        await wait_ready(port, proc, timeout_s=180)  # make, load, warm up a model on a busy 2-core CPU
         assert await asyncio.to_thread(http_status, port, "/ready") == 200
         assert (tmp_path / "dev-tiny" / "DEV_MODEL.json").is_file()
         proc.send_signal(signal.SIGTERM)
