@@ -156,9 +156,11 @@ def validate(doc: Schema, schema_path: Path, k8s_version: str) -> None:
 def _k8s_schema_version(version: str) -> str:
     """The kubernetes-validate schema folder for a Kubernetes version (its own rule)."""
     minor = kubernetes_validate.utils.major_minor(version)
-    return [v for v in kubernetes_validate.utils.all_versions() if kubernetes_validate.utils.major_minor(v) <= minor][
-        -1
-    ]
+    return [
+        v
+        for v in kubernetes_validate.utils.all_versions()
+        if kubernetes_validate.utils.major_minor(v) <= minor
+    ][-1]
 
 
 def main(argv: list[str]) -> int:

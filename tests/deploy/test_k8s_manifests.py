@@ -40,7 +40,9 @@ HTTP_API_SOURCE = ROOT / "server" / "frontends" / "http" / "api.py"
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 #: Server flags the deployment sets before the server has them (another issue builds them):
 #: CHATTTS_RESUME_SECRET_FILE, rendered only when a resume secret is configured.
-PENDING_FLAGS = {"CHATTTS_RESUME_SECRET_FILE"} - {f"CHATTTS_{n.upper()}" for n in Settings.__dataclass_fields__}
+PENDING_FLAGS = {"CHATTTS_RESUME_SECRET_FILE"} - {
+    f"CHATTTS_{n.upper()}" for n in Settings.__dataclass_fields__
+}
 #: Slowest speech at the default speed, characters per second (ChatTTS speaks Chinese at
 #: about 4-5 characters a second, English at about 15): sizes the HTTP API's route timeout.
 SLOWEST_CHARS_PER_S = 3.0
@@ -117,7 +119,9 @@ def test_manifest_matches_its_schema(doc: Doc, schema: Path | None, version: str
 
 
 def test_every_custom_kind_has_an_oldest_and_a_newest_schema() -> None:
-    kinds = {(d["apiVersion"], d["kind"]) for m in SETS.values() for _, d in m.docs if crd_schema.is_custom(d)}
+    kinds = {
+        (d["apiVersion"], d["kind"]) for m in SETS.values() for _, d in m.docs if crd_schema.is_custom(d)
+    }
     assert {k for _, k in kinds} == {"HTTPRoute", "Gateway", "ScaledObject", "ServiceMonitor"}
     for api_version, kind in kinds:
         releases = crd_schema.releases_for(api_version, kind)
@@ -334,7 +338,7 @@ def test_each_public_path_reaches_the_port_that_serves_it(m: Manifests) -> None:
 
 def test_routes_send_to_the_service_without_affinity_or_rewrites(m: Manifests) -> None:
     service = m.one("Service")["metadata"]["name"]
-    for route, _, _, backend in m.route_paths():
+    for _, _, _, backend in m.route_paths():
         assert backend["name"] == service and backend.get("kind", "Service") == "Service", backend
         assert "namespace" not in backend, "a backend in another namespace needs a ReferenceGrant"
     for route in m.of_kind("HTTPRoute"):
@@ -445,4 +449,3 @@ def test_servicemonitor_scrapes_the_service(m: Manifests) -> None:
             assert endpoint["path"] == "/metrics"
             # /metrics is served on the WebSocket port only.
             assert m.service_port_target(endpoint["port"]) == m.ws_port()
-
