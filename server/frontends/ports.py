@@ -190,11 +190,14 @@ class GuardedProtocol(asyncio.Protocol):
     Args:
         inner: the protocol that serves an admitted connection.
         guard: the port's caps.
-        answer: the bytes a refused client reads (an HTTP 503, a Wyoming ``error``).
+        answer: the bytes a refused client reads (an HTTP 503, a Wyoming ``error``), for the
+            reason it was refused.
         per_client: count the connection per client (its IP) as well.
     """
 
-    def __init__(self, inner: asyncio.Protocol, guard: PortGuard, answer: bytes, *, per_client: bool) -> None:
+    def __init__(
+        self, inner: asyncio.Protocol, guard: PortGuard, answer: Callable[[str], bytes], *, per_client: bool
+    ) -> None:
         self._inner = inner
         self._guard = guard
         self._answer = answer
@@ -207,7 +210,7 @@ class GuardedProtocol(asyncio.Protocol):
         client = "ip:" + peer_ip(transport) if self._per_client else None
         if (why := self._guard.admit(client)) is not None:
             log.info("%s connection from %s refused: %s", self._guard.name, peer_ip(transport), why)
-            self._refused = refuse(transport, self._answer, self._guard)
+            self._refused = refuse(transport, self._answer(why), self._guard)
             return
         self._client = client
         self._inner.connection_made(transport)

@@ -195,7 +195,10 @@ class HttpApi:
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        answer = refusal("too_many_connections", "too many connections; retry later")
+
+        def answer(why: str) -> bytes:
+            return refusal("too_many_connections", f"{why}; retry later")
+
         per_client = not s.trust_forwarded_for  # behind a proxy every peer is the proxy
 
         def connection() -> asyncio.Protocol:

@@ -128,7 +128,7 @@ class WyomingConnection:
         """
         s = self._settings
         try:
-            async with asyncio.timeout(self._deadline()) as self._waiting:
+            async with asyncio.timeout_at(self._deadline()) as self._waiting:
                 first = await self._reader.read(1)
         except TimeoutError:
             if self._text_until is not None and asyncio.get_running_loop().time() >= self._text_until:
@@ -253,7 +253,9 @@ class WyomingServer:
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
-        refusal = encode_event(error_event("too_many_connections", "too many connections; retry later"))
+
+        def refusal(why: str) -> bytes:
+            return encode_event(error_event("too_many_connections", f"{why}; retry later"))
 
         def connection() -> asyncio.Protocol:
             reader = asyncio.StreamReader(limit=self.settings.max_message_bytes)
