@@ -27,7 +27,7 @@ from server.errors import ServiceError, StartupError
 from server.frontends.access import AccessDenied, AccessGate
 from server.frontends.common import ServerInfo
 from server.frontends.http.api import HttpApi
-from server.frontends.ports import limits_problem, port_guards
+from server.frontends.ports import PortGuard, limits_problem, port_guards
 from server.frontends.websocket.connection import Connection
 from server.frontends.websocket.guarded import guarded_connections
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
@@ -88,6 +88,7 @@ class App:
         self.warmed_up = asyncio.Event()
         self.http: HttpApi | None = None  # the OpenAI-compatible API, when its port is open
         self.wyoming: WyomingServer | None = None  # the Wyoming server, when --wyoming-port is set
+        self.websocket_guard: PortGuard | None = None  # the WebSocket port's TCP connections
         self._gate: AccessGate | None = None
         self._info: ServerInfo | None = None
         self._sockets: list[socket.socket] = []
@@ -123,12 +124,11 @@ class App:
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
             wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
+            ports = 1 + (http_sock is not None) + (wyoming_sock is not None)
             guards = port_guards(
-                s,
-                1 + (http_sock is not None) + (wyoming_sock is not None),
-                self.service.limiter,
-                lambda code: self.metrics.errors.labels(code=code).inc(),
+                s, ports, self.service.limiter, lambda c: self.metrics.errors.labels(code=c).inc()
             )
+            self.websocket_guard = guards["WebSocket"]
             info = await self.engine_client.start()
             await self._load_voices(info)
             self._info = server_info(s, info)

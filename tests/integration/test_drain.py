@@ -82,17 +82,20 @@ async def test_the_drain_ends_within_its_timeout_whatever_the_clients_do() -> No
     Before, each close waited 10 s for its client, one after another: with 4 such clients and
     ``--drain-timeout-s 8`` the process took 40 s to exit, and an idle client got its 1012
     after 30 s. Now idle connections are closed at once, together, each within
-    ``--close-timeout-s``; the process exits within the drain timeout plus a few seconds.
+    ``--close-timeout-s`` (2 s): one after another, 8 of them would take 16 s. The clients
+    that stopped reading are not yet cut by ``--send-timeout-s`` (30 s here): at the drain
+    timeout their close cannot even be sent (their buffers are full), and is cut at 2 s.
     """
     drain_s, margin_s = 8.0, 5.0
     port = free_port()
     flags = ("--engine", "fake", "--port", str(port), "--fake-step-ms", "40", "--drain-timeout-s", "8")
+    flags += ("--send-timeout-s", "30")
     proc = await spawn_server(*flags, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     silent: list[asyncio.StreamWriter] = []
     stuck: list[ClientConnection] = []
     try:
         await wait_ready(port, proc)
-        for _ in range(4):  # the opening handshake, then nothing: never read, never answer a close
+        for _ in range(8):  # the opening handshake, then nothing: never read, never answer a close
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(HANDSHAKE)
             async with asyncio.timeout(10):

@@ -26,6 +26,7 @@ from wyoming.audio import AudioChunk, AudioStop
 from wyoming.error import Error
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart
 
+from server.frontends.ports import raise_fd_limit
 from tests.integration.conftest import MakeApp, wait_until
 from tests.integration.test_wyoming import WYOMING, client, read, until_end
 from tests.serverproc import free_port, http_status, spawn_server, wait_ready
@@ -172,6 +173,21 @@ async def test_silent_http_connections_that_fill_the_fds_leave_the_websocket_por
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             await proc.wait()
+
+
+async def test_the_websocket_port_refuses_tcp_connections_over_its_share_of_the_fds(
+    make_app: MakeApp,
+) -> None:
+    """Connections still in their handshake count too, so they cannot use up another port's fds."""
+    limit = raise_fd_limit()  # what the app will see: the soft limit raised to the hard one
+    app = await make_app("--http-port", "0", "--fd-reserve", str(limit - 10), "--header-timeout-s", "30")
+    guard = app.websocket_guard
+    assert guard is not None and (guard.cap, guard.max_lingering) == (8, 2)  # 10 fds: 8 + 2 lingering
+    async with connections(app.port, 8), connections(app.port, 1) as [(reader, _)]:
+        answer = await closed_within(reader)
+        assert answer.startswith(b"HTTP/1.1 503") and answer.endswith(b"too many connections\n"), answer
+    await wait_until(lambda: guard.open == 0)
+    assert await asyncio.to_thread(http_status, app.port, "/health") == 200
 
 
 # --- Wyoming ----------------------------------------------------------------------------------
