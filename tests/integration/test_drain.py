@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -102,7 +103,11 @@ async def test_the_drain_ends_within_its_timeout_whatever_the_clients_do() -> No
                 assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
             silent.append(writer)
         for i in range(2):  # a long stream each, then they stop reading (their buffers fill up)
-            ws = await connect(url(port), compression=None, max_queue=1)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full after a few frames
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            ws = await connect(url(port), compression=None, max_queue=1, sock=sock)
             await ws.send(json.dumps({"type": "start", "id": "s", "text": LONG, "seed": i}))
             stuck.append(ws)
         idle, _ = await open_client(port)
