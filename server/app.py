@@ -27,7 +27,9 @@ from server.errors import ServiceError, StartupError
 from server.frontends.access import AccessDenied, AccessGate
 from server.frontends.common import ServerInfo
 from server.frontends.http.api import HttpApi
+from server.frontends.ports import PortGuard, limits_problem, port_guards
 from server.frontends.websocket.connection import Connection
+from server.frontends.websocket.guarded import guarded_connections
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
 from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
@@ -86,6 +88,7 @@ class App:
         self.warmed_up = asyncio.Event()
         self.http: HttpApi | None = None  # the OpenAI-compatible API, when its port is open
         self.wyoming: WyomingServer | None = None  # the Wyoming server, when --wyoming-port is set
+        self.websocket_guard: PortGuard | None = None  # the WebSocket port's TCP connections
         self._gate: AccessGate | None = None
         self._info: ServerInfo | None = None
         self._sockets: list[socket.socket] = []
@@ -116,9 +119,16 @@ class App:
                 raise StartupError(problem)
             if (problem := exposure_problem(s, self._gate.api_keys.required)) is not None:
                 raise StartupError(problem)
+            if (problem := limits_problem(s)) is not None:
+                raise StartupError(problem)
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
             wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
+            ports = 1 + (http_sock is not None) + (wyoming_sock is not None)
+            guards = port_guards(
+                s, ports, self.service.limiter, lambda c: self.metrics.errors.labels(code=c).inc()
+            )
+            self.websocket_guard = guards["WebSocket"]
             info = await self.engine_client.start()
             await self._load_voices(info)
             self._info = server_info(s, info)
@@ -134,13 +144,16 @@ class App:
                 max_queue=16,
                 ping_interval=20,
                 ping_timeout=20,
+                open_timeout=s.header_timeout_s,
+                close_timeout=s.close_timeout_s,
+                create_connection=guarded_connections(guards["WebSocket"]),
                 server_header=s.server_name,
             )
             if http_sock is not None:
-                self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics)
+                self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics, guards["HTTP"])
                 await self.http.start(http_sock)
             if wyoming_sock is not None:
-                self.wyoming = WyomingServer(self.service, s, self.metrics)
+                self.wyoming = WyomingServer(self.service, s, self.metrics, guards["Wyoming"])
                 await self.wyoming.start(wyoming_sock)
         except BaseException:
             await self.stop()
@@ -162,42 +175,49 @@ class App:
             ) from None
 
     async def stop(self) -> None:
-        """Shut down (also after a failed start), in order.
+        """Shut down (also after a failed start), in order; no step waits on a client for long.
 
-        1. Stop the warm-up requests, the HTTP API and the Wyoming server (running
-           responses are cut).
-        2. Stop listening, close every WebSocket connection with 1012.
+        1. Stop the warm-up requests.
+        2. Stop the HTTP API, the Wyoming server and the WebSocket server together: stop
+           listening, close every connection at once (WebSocket with 1012, Wyoming streams
+           told ``shutting_down``), each close within ``--close-timeout-s``, then cut.
         3. Free every stream (their generation stops), stop the encoder threads.
         4. Stop the inference loop after its current step; it closes the engine.
         """
         if self._warmup_task is not None:
             self._warmup_task.cancel()
             await asyncio.gather(self._warmup_task, return_exceptions=True)
-        if self.http is not None:
-            await self.http.stop()
-        if self.wyoming is not None:
-            await self.wyoming.stop()
-        if self._server is not None:
-            self._server.close(close_connections=False)
-            for conn in list(self.connections):
-                await conn.ws.close(1012, "server is restarting")
-            await self._server.wait_closed()
+        fronts = [self.http.stop() if self.http is not None else None]
+        fronts += [self.wyoming.stop() if self.wyoming is not None else None, self._stop_websockets()]
+        for failed in await asyncio.gather(*(f for f in fronts if f is not None), return_exceptions=True):
+            if isinstance(failed, BaseException):
+                log.error("stopping a front end failed", exc_info=failed)
         await self.service.stop()
         await self.engine_client.stop()
         for sock in self._sockets:  # bound but never served (a failed start): release the ports
             sock.close()
 
+    async def _stop_websockets(self) -> None:
+        if self._server is None:
+            return
+        self._server.close(close_connections=False)
+        await asyncio.gather(*(conn.close(1012, "server is restarting") for conn in list(self.connections)))
+        await self._server.wait_closed()
+
     async def drain(self) -> None:
-        """Graceful stop: refuse new streams, let running ones finish, close with 1012, stop."""
+        """Graceful stop: refuse new streams, let running ones finish, close with 1012, stop.
+
+        Idle connections are closed at once and all together (each within
+        ``--close-timeout-s``) while the running streams get up to ``--drain-timeout-s``;
+        then :meth:`stop`. So the drain ends within its timeout plus a few close timeouts,
+        whatever the clients do.
+        """
         if self.service.draining:
             return
         self.service.draining = True
         registry = self.service.registry
         log.info("draining: %d active streams, up to %.0f s", registry.busy(), self.settings.drain_timeout_s)
-        for conn in list(self.connections):
-            await conn.close_if_idle()
-        if self.wyoming is not None:
-            await self.wyoming.close_idle()
+        closing = asyncio.create_task(self._close_idle(), name="drain-close-idle")
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 # The condition spans every stream's state; polling it during a drain is cheap.
@@ -205,7 +225,16 @@ class App:
                     await asyncio.sleep(DRAIN_POLL_S)
         except TimeoutError:
             log.warning("drain timeout: %d streams still running are cut off", registry.busy())
+        finally:
+            await asyncio.wait([closing])  # each close is bounded: this is short
         await self.stop()
+
+    async def _close_idle(self) -> None:
+        """Close every connection without a stream, all at once."""
+        idle = [conn.close_if_idle() for conn in list(self.connections)]
+        if self.wyoming is not None:
+            idle.append(self.wyoming.close_idle())
+        await asyncio.gather(*idle, return_exceptions=True)
 
     async def run_until_signalled(self) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain and return."""
@@ -337,7 +366,13 @@ class App:
             return
         s = self.settings
         conn = Connection(
-            ws, self.service, self._info, client=client, send_timeout_s=s.send_timeout_s, metrics=self.metrics
+            ws,
+            self.service,
+            self._info,
+            client=client,
+            send_timeout_s=s.send_timeout_s,
+            close_timeout_s=s.close_timeout_s,
+            metrics=self.metrics,
         )
         self.connections.add(conn)
         self.metrics.connections.set(len(self.connections))
@@ -359,5 +394,6 @@ def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
         max_text_chars=settings.max_text_chars,
         max_streams=settings.max_streams,
         resume_ttl_s=settings.resume_ttl_s,
+        max_json_depth=settings.max_json_depth,
         weights=engine.extra.get("weights"),
     )

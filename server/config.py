@@ -109,7 +109,9 @@ class Settings:
     max_pending_chars: int = _opt(1000, "incremental streams: text waiting for a sentence end, at most")
     segment_max_chars: int = _opt(120, "longest text segment given to the model at once")
     max_streams: int = _opt(4, "concurrent streams per connection")
-    max_connections: int = _opt(2000, "concurrent WebSocket connections per process")
+    max_connections: int = _opt(
+        2000, "concurrent connections per port (WebSocket, HTTP, Wyoming), each within its share of fds"
+    )
     max_message_bytes: int = _opt(65536, "largest client message; bigger ones close the connection with 1009")
     send_timeout_s: float = _opt(10.0, "a send that cannot complete in this time aborts the connection")
     max_buffered_s: float = _opt(
@@ -126,7 +128,9 @@ class Settings:
     rate_limit_per_min: float = _opt(0.0, "streams a client may start per minute (0: unlimited)")
     rate_limit_burst: int = _opt(10, "streams a client may start at once before the rate applies")
     max_connections_per_client: int = _opt(
-        0, "open connections per client (0: unlimited); over it: close 1013"
+        0,
+        "open connections per client, all ports together (0: unlimited); over it: WebSocket close 1013, "
+        "HTTP 503 (counted by IP, not with --trust-forwarded-for), Wyoming error",
     )
     api_keys: str = _opt("", "comma-separated API keys; when set, every connection must present one")
     api_keys_file: str = _opt("", "file with one API key per line (added to --api-keys)")
@@ -147,6 +151,33 @@ class Settings:
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
     )
     breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
+    # --- every port bounded in time and connections (issue 25; docs/operations.md, Limits) ---
+    max_json_depth: int = _opt(
+        32, "deepest nesting of a client's JSON (WebSocket message, HTTP body, Wyoming event): bad_request"
+    )
+    header_timeout_s: float = _opt(
+        10.0,
+        "a request's head must arrive within this long: HTTP from the connection's start or its previous "
+        "response (so also the keep-alive idle time), the WebSocket opening handshake, the rest of a "
+        "Wyoming event once begun; else the connection is closed",
+    )
+    body_timeout_s: float = _opt(60.0, "an HTTP request body must arrive within this long of its head: 408")
+    close_timeout_s: float = _opt(
+        2.0, "a closing connection waits this long for its client (WebSocket close handshake), then is cut"
+    )
+    wyoming_idle_timeout_s: float = _opt(
+        30.0,
+        "Wyoming: a connection that sends no event for this long while no audio goes out to it (idle, "
+        "or between synthesize-chunks) gets error 'timeout' and is closed",
+    )
+    wyoming_text_timeout_s: float = _opt(
+        300.0, "Wyoming: synthesize-stop must follow synthesize-start within this long: error 'timeout'"
+    )
+    fd_reserve: int = _opt(
+        128,
+        "open files kept for the process; the rest of RLIMIT_NOFILE (raised to its hard limit) is split "
+        "evenly among the open ports, each refusing connections over its share",
+    )
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
     log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))

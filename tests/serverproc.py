@@ -7,7 +7,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 def free_port() -> int:
@@ -29,11 +29,26 @@ def http_status(port: int, path: str) -> int:
 
 
 async def spawn_server(
-    *flags: str, env: Mapping[str, str], stdout: int | None = None, stderr: int | None = None
+    *flags: str,
+    env: Mapping[str, str],
+    stdout: int | None = None,
+    stderr: int | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> asyncio.subprocess.Process:
-    """Start ``python -m server serve FLAGS`` with ``env``; the caller owns (and reaps) the process."""
+    """Start ``python -m server serve FLAGS`` with ``env``; the caller owns (and reaps) the process.
+
+    ``preexec_fn`` runs in the child before the server starts (a lower open-files limit).
+    """
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "serve", *flags, env=dict(env), stdout=stdout, stderr=stderr
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        *flags,
+        env=dict(env),
+        stdout=stdout,
+        stderr=stderr,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -67,6 +67,8 @@ class ServerInfo:
     max_text_chars: int
     max_streams: int
     resume_ttl_s: float
+    #: The deepest nesting a client's JSON may have (``--max-json-depth``).
+    max_json_depth: int = 32
     sample_rate: int = 24_000
     #: Which weights the engine speaks with: ``official``, ``unverified`` or ``random``
     #: (``None``: an engine without weights, such as the test engine).

@@ -344,3 +344,56 @@ def test_demo_page_speaks_and_shows_its_metrics(e2e: dict[str, Any]) -> None:
     if os.environ.get("UPDATE_SCREENSHOT"):
         docs = e2e["_screenshots"][1]
         assert "failed" not in docs and docs["state"] == "playing" and docs["reconnects"] == "1", docs
+
+
+# --- CORS: a page on another origin calls the HTTP API (issue 25) -------------------------------
+
+
+def test_a_page_on_an_allowed_origin_calls_the_http_api_and_another_cannot(tmp_path: Path) -> None:
+    """The demo's own origin (the WebSocket port) is allowed; ``localhost`` for the same port is not."""
+    node = _require_browser_tools()
+    from tests.integration.test_voices import TRANSCRIPT, encoded, recording
+
+    port = _free_port()
+    allowed, refused = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
+    flags = ["--api-keys", "page-key", "--allowed-origins", allowed, "--voices-dir", str(tmp_path / "voices")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--engine", "fake", "--port", str(port), *flags],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.1)
+        spec = {
+            "pages": [f"{allowed}/health", f"{refused}/health"],
+            "api": f"http://127.0.0.1:{port + 1}/v1",
+            "key": "page-key",
+            "wav": base64.b64encode(encoded(recording())).decode(),
+            "transcript": TRANSCRIPT,
+        }
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        run = subprocess.run(
+            [node, "e2e/cors.mjs", str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
+            cwd=CLIENT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert run.returncode == 0, f"cors runner failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+        out = json.loads((tmp_path / "out.json").read_text())
+    finally:
+        _stop(proc)
+    ok = out[f"{allowed}/health"]
+    assert ok["speech"]["status"] == 200 and ok["speech"]["bytes"] > 0, ok
+    assert ok["upload"]["status"] == 200 and ok["upload"]["id"].startswith("voice_"), ok
+    assert ok["delete"] == {"status": 200}, ok
+    other = out[f"{refused}/health"]
+    assert all(
+        "Failed to fetch" in other[call].get("error", "") for call in ("speech", "upload", "delete")
+    ), other

@@ -13,6 +13,7 @@ resumed, so they are freed at once. ``GET /v1/models`` and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import socket
@@ -40,8 +41,19 @@ from server.frontends.common import (
     abort_transport,
     send_within,
 )
-from server.frontends.http.common import CLIENT, counted_error, error_response, service_error
+from server.frontends.http.accesslog import RedactedAccessLogger
+from server.frontends.http.common import (
+    CLIENT,
+    counted_error,
+    error_response,
+    refusal,
+    service_error,
+    timed_out,
+)
+from server.frontends.http.cors import Cors
 from server.frontends.http.voices import VoicesApi
+from server.frontends.nesting import TooDeep, check_nesting
+from server.frontends.ports import GuardedProtocol, PortGuard
 from server.metrics import Metrics
 from server.streams.outbox import Failure, Frame
 from server.streams.request import SpeechRequest
@@ -133,43 +145,83 @@ class _StreamFailed(Exception):
 
 
 class HttpApi:
-    """The aiohttp server for the OpenAI-compatible routes, on the app's event loop."""
+    """The aiohttp server for the OpenAI-compatible routes, on the app's event loop.
+
+    Every connection is held to ``guard`` (the port's caps; per client by IP unless the
+    client IP comes from ``X-Forwarded-For``), must send a request head within
+    ``--header-timeout-s`` of opening or of its previous response (aiohttp's keep-alive
+    clock, which runs from the connection's start), and a body within ``--body-timeout-s``.
+    """
 
     def __init__(
-        self, service: SpeechService, info: ServerInfo, gate: AccessGate, settings: Settings, metrics: Metrics
+        self,
+        service: SpeechService,
+        info: ServerInfo,
+        gate: AccessGate,
+        settings: Settings,
+        metrics: Metrics,
+        guard: PortGuard,
     ) -> None:
         self.service = service
         self.info = info
         self.gate = gate
         self.settings = settings
         self.metrics = metrics
+        self.guard = guard
+        self.cors = Cors(gate.allowed_origins)
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
         self.port: int | None = None  # bound port once started; None when off
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
-        web_app = web.Application(client_max_size=self.settings.max_message_bytes, middlewares=[self._guard])
+        s = self.settings
+        web_app = web.Application(client_max_size=s.max_message_bytes, middlewares=[self._guard])
         web_app.router.add_post("/v1/audio/speech", self.speech)
         web_app.router.add_get("/v1/models", self.models)
         web_app.router.add_get("/v1/audio/voices", self.voices)
-        VoicesApi(self.service, self.settings, self.metrics).add_routes(web_app)
+        VoicesApi(self.service, s, self.metrics).add_routes(web_app)
+        web_app.on_response_prepare.append(self.cors.on_response_prepare)
         # handler_cancellation: a client that disconnects cancels its handler at once, even
         # while the handler waits for audio, so its generation stops within one block.
-        self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
+        self._runner = web.AppRunner(
+            web_app,
+            handler_cancellation=True,
+            shutdown_timeout=1.0,
+            keepalive_timeout=s.header_timeout_s,
+            lingering_time=min(10.0, s.body_timeout_s),
+            access_log_class=RedactedAccessLogger,
+        )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        server = self._runner.server
+        assert server is not None
+
+        def answer(why: str) -> bytes:
+            return refusal("too_many_connections", f"{why}; retry later")
+
+        per_client = not s.trust_forwarded_for  # behind a proxy every peer is the proxy
+
+        def connection() -> asyncio.Protocol:
+            return GuardedProtocol(server(), self.guard, answer, per_client=per_client)
+
+        self._server = await asyncio.get_running_loop().create_server(connection, sock=sock)
         self.port = int(sock.getsockname()[1])
-        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.settings.host, self.port)
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", s.host, self.port)
 
     async def stop(self) -> None:
         """Stop listening; responses still running are cancelled (their streams freed)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """API keys and origins as on the WebSocket; aiohttp's own errors in OpenAI's shape."""
+        """CORS preflights; API keys and origins as on the WebSocket; aiohttp's errors in OpenAI's shape."""
+        if (answer := self.cors.preflight(request)) is not None:
+            return answer
         try:
             request[CLIENT] = self.gate.admit(request.path_qs, request.headers, request.remote or "?")
         except AccessDenied as denied:
@@ -209,11 +261,14 @@ class HttpApi:
         try:
             self.service.check_accepting()
             try:
-                raw = await request.read()
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 message = f"request body over {self.settings.max_message_bytes} bytes"
                 return counted_error(self.metrics, 413, "bad_request", message)
-            body, fmt = _parse(raw)
+            except TimeoutError:
+                return timed_out(self.metrics, "body", self.settings.body_timeout_s)
+            body, fmt = _parse(raw, self.settings.max_json_depth)
             self.service.check_rate(request[CLIENT])
             stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
         except BodyError as err:
@@ -280,9 +335,17 @@ class HttpApi:
         abort_transport(request.transport, self.metrics, f"HTTP response to {request.remote}", reason)
 
 
-def _parse(raw: bytes) -> tuple[SpeechBody, str]:
+def _parse(raw: bytes, max_depth: int) -> tuple[SpeechBody, str]:
+    """The body, decoded (the HTTP API's one JSON decoding path) and checked.
+
+    Raises:
+        BodyError: naming the problem, and the field when there is one.
+    """
     try:
+        check_nesting(raw, max_depth)
         body = _decoder.decode(raw)
+    except TooDeep as exc:
+        raise BodyError("bad_request", str(exc)) from None
     except msgspec.ValidationError as exc:
         raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
     except msgspec.DecodeError as exc:

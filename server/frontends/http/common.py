@@ -8,6 +8,7 @@ Every route of the OpenAI-compatible API (``http_api`` for speech and discovery,
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Final
 
@@ -22,6 +23,7 @@ CLIENT: Final = web.RequestKey("client", str)
 #: Our wire codes → HTTP status (the ``code`` of the error body stays ours).
 STATUS: Final = dict(bad_request=400, text_too_long=400, unsupported=400, rate_limited=429, overloaded=429)
 STATUS.update(shutting_down=503, engine_error=500, internal=500, not_found=404, limit_reached=409)
+STATUS.update(timeout=408, too_many_connections=503)
 
 
 def error_response(
@@ -58,3 +60,21 @@ def service_error(exc: ServiceError, metrics: Metrics, *, param: str | None = No
     return counted_error(
         metrics, STATUS.get(code, 500), code, exc.message, param=param, retry_after_ms=exc.retry_after_ms
     )
+
+
+def refusal(code: str, message: str) -> bytes:
+    """A whole ``503`` response (OpenAI's error shape, ``Connection: close``), for a socket over its cap."""
+    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        f"Cache-Control: no-store\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return (head + body).encode()
+
+
+def timed_out(metrics: Metrics, what: str, timeout_s: float) -> web.Response:
+    """408 ``timeout``: the request's body did not arrive in time; the connection closes after it."""
+    message = f"the request {what} did not arrive within {timeout_s:g} s (--body-timeout-s)"
+    response = counted_error(metrics, 408, "timeout", message)
+    response.force_close()
+    return response

@@ -13,15 +13,19 @@ speech; decoding runs in a worker thread, the codes on the inference thread
 
 from __future__ import annotations
 
+import asyncio
+import binascii
+import codecs
 from typing import Final
 
 from aiohttp import BodyPartReader, web
 
 from server.config import Settings
 from server.errors import InvalidRequest, ServiceError
-from server.frontends.http.common import CLIENT, counted_error, service_error
+from server.frontends.http.common import CLIENT, counted_error, service_error, timed_out
 from server.metrics import Metrics
 from server.streams.service import SpeechService
+from server.voices.library import MAX_NAME_CHARS
 
 #: Form fields that carry the recording (OpenAI's name first).
 AUDIO_FIELDS: Final = ("audio_sample", "audio", "file")
@@ -32,6 +36,14 @@ MAX_TEXT_BYTES: Final = 16 * 1024
 
 class _TooLarge(Exception):
     """The upload is over ``--voice-upload-max-bytes``."""
+
+
+class _BadPart(InvalidRequest):
+    """A part of the form that cannot be read (its charset, its transfer encoding), by its name."""
+
+    def __init__(self, part: str, message: str) -> None:
+        super().__init__(f"{part}: {message}")
+        self.part = part
 
 
 class VoicesApi:
@@ -54,7 +66,8 @@ class VoicesApi:
             self.service.admit(request[CLIENT])
             if request.content_length is not None and request.content_length > limit + MAX_TEXT_BYTES:
                 raise _TooLarge
-            fields, audio = await _read_form(request, limit)
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                fields, audio = await _read_form(request, limit)
             if fields.get("type", "audio_sample") != "audio_sample":
                 message = "only voices from a recording (type audio_sample) can be made here"
                 return counted_error(self.metrics, 400, "unsupported", message, param="type")
@@ -69,10 +82,17 @@ class VoicesApi:
             if "transcript" not in fields:
                 message = "missing the transcript: what is said in the recording"
                 return counted_error(self.metrics, 400, "bad_request", message, param="transcript")
+            if len(name := fields.get("name", "")) > MAX_NAME_CHARS:
+                message = f"name has {len(name)} characters; at most {MAX_NAME_CHARS}"
+                return counted_error(self.metrics, 400, "bad_request", message, param="name")
             voice = await self.service.voices.create(audio, fields["transcript"], fields.get("name", ""))
         except _TooLarge:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
             return counted_error(self.metrics, 413, "bad_request", message, param="audio_sample")
+        except TimeoutError:
+            return timed_out(self.metrics, "body", self.settings.body_timeout_s)
+        except _BadPart as exc:
+            return service_error(exc, self.metrics, param=exc.part)
         except InvalidRequest as exc:
             # The engine's refusals say "the transcript ...", the library's "transcript ...".
             param = (
@@ -119,17 +139,45 @@ async def _read_form(request: web.Request, limit: int) -> tuple[dict[str, str], 
                 audio = await _read_capped(part, limit, _TooLarge)
             elif part.name in TEXT_FIELDS:
                 raw = await _read_capped(part, MAX_TEXT_BYTES, InvalidRequest(f"{part.name} is too long"))
-                fields[part.name] = raw.decode(part.get_charset("utf-8"))
-    except (ValueError, UnicodeDecodeError, AssertionError) as exc:
+                fields[part.name] = _text(part, raw)
+    except (ValueError, AssertionError) as exc:
         raise InvalidRequest(f"malformed multipart body: {exc}") from None
     return fields, audio
 
 
+def _text(part: BodyPartReader, raw: bytes) -> str:
+    """A text part in its charset (UTF-8 when it names none).
+
+    Raises:
+        _BadPart: an unknown charset, or bytes that are not in it.
+    """
+    name = part.name or "?"
+    charset = part.get_charset("utf-8")
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        raise _BadPart(name, f"unknown charset {charset!r}") from None
+    try:
+        return raw.decode(charset)
+    except UnicodeDecodeError:
+        raise _BadPart(name, f"the text is not valid {charset}") from None
+
+
 async def _read_capped(part: BodyPartReader, limit: int, over: Exception | type[Exception]) -> bytes:
-    """A part's body, decoded from its transfer encoding, raising ``over`` past ``limit`` bytes."""
+    """A part's body, decoded from its transfer encoding, raising ``over`` past ``limit`` bytes.
+
+    Raises:
+        _BadPart: an unknown or malformed Content-Transfer-Encoding.
+    """
     data = bytearray()
     while chunk := await part.read_chunk(64 * 1024):
         data += chunk
         if len(data) > limit:
             raise over
-    return bytes(part.decode(bytes(data)))
+    try:
+        return bytes(part.decode(bytes(data)))
+    except RuntimeError as exc:  # aiohttp's "unknown content transfer encoding: x"
+        raise _BadPart(part.name or "?", str(exc)) from None
+    except binascii.Error as exc:
+        encoding = part.headers.get("Content-Transfer-Encoding", "")
+        raise _BadPart(part.name or "?", f"malformed {encoding}: {exc}") from None

@@ -42,11 +42,13 @@ class Connection:
         *,
         client: str,
         send_timeout_s: float,
+        close_timeout_s: float,
         metrics: Metrics,
     ) -> None:
         self.ws = ws
         self._service = service
         self._send_timeout_s = send_timeout_s
+        self._close_timeout_s = close_timeout_s
         self._metrics = metrics
         request = ws.request
         route = request.headers.get("X-Request-ID") if request is not None else None
@@ -82,6 +84,18 @@ class Connection:
         """During a drain, close with 1012 once no stream is left."""
         await self._carry_out(self.protocol.close_if_idle())
 
+    async def close(self, code: int, reason: str) -> None:
+        """Close with ``code``; a client that does not answer within ``--close-timeout-s`` is cut.
+
+        (``websockets`` bounds the wait for the client's close frame, but not a send of the
+        close frame to a client whose buffers are full because it stopped reading.)
+        """
+        try:
+            async with asyncio.timeout(self._close_timeout_s):
+                await self.ws.close(code, reason)
+        except TimeoutError:
+            self.abort(f"no answer to the close within {self._close_timeout_s:g} s")
+
     async def _carry_out(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
@@ -97,7 +111,7 @@ class Connection:
                     pump.cancel()
                     await asyncio.gather(pump, return_exceptions=True)
             elif isinstance(action, Close):
-                await self.ws.close(action.code, action.reason)
+                await self.close(action.code, action.reason)
 
     async def _pump(self, attachment: Attachment, index: int) -> None:
         """Send the stream's items as they come, until ``done`` or the stream moves away."""

@@ -123,7 +123,7 @@ class ConnectionProtocol:
     def receive(self, raw: str | bytes) -> list[Action]:
         """One message from the client; returns what to do, in order."""
         try:
-            return self._dispatch(wire.parse_client_message(raw))
+            return self._dispatch(wire.parse_client_message(raw, max_depth=self._info.max_json_depth))
         except ProtocolError as err:
             self._metrics.errors.labels(code=err.code).inc()
             actions: list[Action] = [Send(wire.error(err))]

@@ -20,6 +20,7 @@ import msgspec
 from server import errors
 from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
+from server.frontends.nesting import TooDeep, check_nesting
 from server.streams.outbox import Done, Frame, SegmentMark
 from server.streams.request import SpeechRequest
 
@@ -132,8 +133,10 @@ _decoder: Final = msgspec.json.Decoder(ClientMessage)
 _probe: Final = msgspec.json.Decoder(dict[str, Any])
 
 
-def parse_client_message(raw: str | bytes) -> ClientMessage:
-    """Decode and validate one text frame from a client.
+def parse_client_message(raw: str | bytes, *, max_depth: int = 32) -> ClientMessage:
+    """Decode and validate one text frame from a client (its size is bounded by the socket).
+
+    ``max_depth`` bounds its nesting before the decoder recurses into it (``--max-json-depth``).
 
     Raises:
         ProtocolError: ``bad_request`` with a message naming the problem.
@@ -141,7 +144,10 @@ def parse_client_message(raw: str | bytes) -> ClientMessage:
     if isinstance(raw, bytes):
         raise ProtocolError("bad_request", "binary frames are not accepted from clients; send JSON text")
     try:
+        check_nesting(raw, max_depth)
         return _decoder.decode(raw)
+    except TooDeep as exc:
+        raise ProtocolError("bad_request", str(exc)) from None
     except msgspec.ValidationError as exc:
         raise ProtocolError("bad_request", _describe(exc), name=_name_of(raw)) from None
     except msgspec.DecodeError as exc:

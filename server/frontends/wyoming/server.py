@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 import socket
 from contextlib import aclosing
@@ -25,6 +24,8 @@ from wyoming.event import Event, async_write_event
 from server.config import Settings
 from server.frontends.access import client_identity
 from server.frontends.common import SendAborted, abort_transport, send_within
+from server.frontends.ports import GuardedProtocol, PortGuard, peer_ip
+from server.frontends.wyoming.events import BadEvent, encode_event, read_event
 from server.frontends.wyoming.session import (
     Action,
     Close,
@@ -39,8 +40,6 @@ from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
 
 log = logging.getLogger(__name__)
-#: How long ``stop`` waits for connections to wind up after their sockets were closed.
-STOP_WAIT_S = 5.0
 
 
 def exposure_problem(settings: Settings, keys_required: bool) -> str | None:
@@ -63,82 +62,53 @@ def exposure_problem(settings: Settings, keys_required: bool) -> str | None:
     )
 
 
-class BadEvent(Exception):
-    """Bytes that are not a Wyoming event within the bounds."""
-
-
-async def read_event(reader: asyncio.StreamReader, max_bytes: int) -> Event | None:
-    """The next event (None at the end of the connection), never reading more than ``max_bytes``.
-
-    Raises:
-        BadEvent: malformed JSON, or a header, data or payload over ``max_bytes``.
-    """
-    try:
-        line = await reader.readline()  # the reader's limit bounds the line
-    except ValueError:
-        raise BadEvent(f"event header over {max_bytes} bytes") from None
-    if not line.endswith(b"\n"):
-        return None  # the end of the connection (possibly mid-line)
-    try:
-        header = json.loads(line)
-        kind, data = header["type"], header.get("data") or {}
-        data_length = int(header.get("data_length") or 0)
-        payload_length = int(header.get("payload_length") or 0)
-        if not isinstance(kind, str) or not isinstance(data, dict) or min(data_length, payload_length) < 0:
-            raise ValueError("type, data or a length has the wrong type")
-        if data_length + payload_length > max_bytes:
-            raise ValueError(f"event over {max_bytes} bytes")
-        if data_length:
-            extra = json.loads(await reader.readexactly(data_length))
-            if not isinstance(extra, dict):
-                raise ValueError("data is not an object")
-            data.update(extra)
-        payload = await reader.readexactly(payload_length) if payload_length else None
-    except asyncio.IncompleteReadError:
-        return None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BadEvent(f"not a Wyoming event: {exc}") from None
-    return Event(type=kind, data=data, payload=payload)
-
-
 class WyomingConnection:
-    """Serves one Wyoming client until it leaves or the session closes the connection."""
+    """Serves one Wyoming client until it leaves or the session closes the connection.
+
+    Time is bounded three ways: the next event's first byte must come within
+    ``--wyoming-idle-timeout-s`` while no audio goes out (idle, or between
+    ``synthesize-chunk``s; the deadline moves as streams start and end), the rest of an event
+    once begun within ``--header-timeout-s``, and ``synthesize-stop`` within
+    ``--wyoming-text-timeout-s`` of its ``synthesize-start``. Each answers ``error`` ``timeout``
+    and closes; every write has ``--send-timeout-s``.
+    """
 
     def __init__(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         session: WyomingSession,
-        service: SpeechService,
-        *,
-        send_timeout_s: float,
-        max_message_bytes: int,
+        settings: Settings,
         metrics: Metrics,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self.session = session
-        self._service = service
-        self._send_timeout_s = send_timeout_s
-        self._max_bytes = max_message_bytes
+        self._settings = settings
         self._metrics = metrics
         self._lock = asyncio.Lock()  # one event at a time on the socket
         self._pump: asyncio.Task[None] | None = None
         self._aborted = False
         self._closed = False
+        self._waiting: asyncio.Timeout | None = None  # the wait for the next event's first byte
+        self._text_until: float | None = None  # synthesize-stop is due by then
 
     async def run(self) -> None:
         """Serve events until the client leaves or the connection is closed; free its stream."""
         try:
             while not self._closed:
                 try:
-                    event = await read_event(self._reader, self._max_bytes)
+                    event = await self._next_event()
                 except BadEvent as exc:
                     await self._carry_out(self.session.bad_event(str(exc)))
+                    break
+                except _TimedOut as exc:
+                    await self._carry_out(self.session.timed_out(str(exc)))
                     break
                 if event is None:
                     break
                 await self._carry_out(self.session.receive(event))
+                self._moved()
         except (ConnectionError, SendAborted):
             pass
         finally:
@@ -148,6 +118,55 @@ class WyomingConnection:
                 await asyncio.gather(pump, return_exceptions=True)
             self.session.connection_lost()
             self._writer.close()
+
+    async def _next_event(self) -> Event | None:
+        """The next event within its deadlines (None at the end of the connection).
+
+        Raises:
+            BadEvent: not an event within the bounds.
+            _TimedOut: a deadline passed (the message says which).
+        """
+        s = self._settings
+        try:
+            async with asyncio.timeout_at(self._deadline()) as self._waiting:
+                first = await self._reader.read(1)
+        except TimeoutError:
+            if self._text_until is not None and asyncio.get_running_loop().time() >= self._text_until:
+                raise _TimedOut(
+                    f"no synthesize-stop within {s.wyoming_text_timeout_s:g} s of synthesize-start "
+                    "(--wyoming-text-timeout-s)"
+                ) from None
+            idle = s.wyoming_idle_timeout_s
+            raise _TimedOut(f"no event for {idle:g} s (--wyoming-idle-timeout-s)") from None
+        finally:
+            self._waiting = None
+        if not first:
+            return None
+        try:
+            async with asyncio.timeout(s.header_timeout_s):
+                return await read_event(
+                    self._reader, first, max_bytes=s.max_message_bytes, max_depth=s.max_json_depth
+                )
+        except TimeoutError:
+            message = f"an event took over {s.header_timeout_s:g} s to arrive (--header-timeout-s)"
+            raise _TimedOut(message) from None
+
+    def _deadline(self) -> float | None:
+        """When the next event must have begun: none while audio goes out to a client that waits."""
+        session, now = self.session, asyncio.get_running_loop().time()
+        if session.stream is not None and not session.taking_text:
+            return None
+        deadline = now + self._settings.wyoming_idle_timeout_s
+        return deadline if self._text_until is None else min(deadline, self._text_until)
+
+    def _moved(self) -> None:
+        """The session's state may have changed: start or stop the text clock, move the wait's deadline."""
+        if self.session.taking_text and self._text_until is None:
+            self._text_until = asyncio.get_running_loop().time() + self._settings.wyoming_text_timeout_s
+        elif not self.session.taking_text:
+            self._text_until = None
+        if self._waiting is not None:
+            self._waiting.reschedule(self._deadline())
 
     def abort(self, reason: str) -> None:
         """Drop the TCP connection at once (the peer is not reading)."""
@@ -162,10 +181,11 @@ class WyomingConnection:
         await self._carry_out(self.session.close_if_idle())
 
     async def shut_down(self) -> None:
-        """The server stops: say so to a client with a running stream, then close."""
+        """The server stops: tell a client with a running stream (within ``--close-timeout-s``), close."""
         if self.session.stream is not None:
-            with contextlib.suppress(ConnectionError, SendAborted):
-                await self._write(error_event("shutting_down", "the server is stopping"))
+            with contextlib.suppress(ConnectionError, SendAborted, TimeoutError):
+                async with asyncio.timeout(self._settings.close_timeout_s):
+                    await self._write(error_event("shutting_down", "the server is stopping"))
         self._close()
 
     async def _carry_out(self, actions: list[Action]) -> None:
@@ -189,6 +209,7 @@ class WyomingConnection:
             if self._pump is asyncio.current_task():
                 self._pump = None
             await self._carry_out(self.session.delivered())
+            self._moved()  # no audio goes out any more: the idle clock runs
         except (ConnectionError, SendAborted):
             self._close()
 
@@ -196,7 +217,8 @@ class WyomingConnection:
         if self._aborted:
             raise SendAborted
         async with self._lock:
-            await send_within(async_write_event(event, self._writer), self._send_timeout_s, self.abort)
+            timeout = self._settings.send_timeout_s
+            await send_within(async_write_event(event, self._writer), timeout, self.abort)
         if event.payload:
             self._metrics.bytes_sent.inc(len(event.payload))
 
@@ -206,13 +228,24 @@ class WyomingConnection:
         self._writer.close()
 
 
-class WyomingServer:
-    """The Wyoming TCP server, on the app's event loop, over the shared service."""
+class _TimedOut(Exception):
+    """A deadline of the connection passed (the message names it and its flag)."""
 
-    def __init__(self, service: SpeechService, settings: Settings, metrics: Metrics) -> None:
+
+class WyomingServer:
+    """The Wyoming TCP server, on the app's event loop, over the shared service.
+
+    Its connections are held to ``guard`` (the port's caps, per client by IP): one over a
+    cap reads an ``error`` ``too_many_connections`` event and is closed.
+    """
+
+    def __init__(
+        self, service: SpeechService, settings: Settings, metrics: Metrics, guard: PortGuard
+    ) -> None:
         self.service = service
         self.settings = settings
         self.metrics = metrics
+        self.guard = guard
         self._seed = settings.wyoming_seed if settings.wyoming_seed >= 0 else None
         self._server: asyncio.Server | None = None
         self._connections: dict[WyomingConnection, asyncio.Task[None]] = {}
@@ -220,26 +253,36 @@ class WyomingServer:
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
-        self._server = await asyncio.start_server(
-            self._accept, sock=sock, limit=self.settings.max_message_bytes
-        )
+
+        def refusal(why: str) -> bytes:
+            return encode_event(error_event("too_many_connections", f"{why}; retry later"))
+
+        def connection() -> asyncio.Protocol:
+            reader = asyncio.StreamReader(limit=self.settings.max_message_bytes)
+            inner = asyncio.StreamReaderProtocol(reader, self._accept)
+            return GuardedProtocol(inner, self.guard, refusal, per_client=True)
+
+        self._server = await asyncio.get_running_loop().create_server(connection, sock=sock)
         self.port = int(sock.getsockname()[1])
         log.info("Wyoming (Home Assistant) on tcp://%s:%d", self.settings.host, self.port)
 
     async def close_idle(self) -> None:
         """A drain started: close the connections that have no stream."""
-        for conn in list(self._connections):
-            await conn.close_if_idle()
+        idle = [conn.close_if_idle() for conn in list(self._connections)]
+        await asyncio.gather(*idle, return_exceptions=True)
 
     async def stop(self) -> None:
-        """Stop listening; close every connection (running streams are cut) and wait for them."""
+        """Stop listening; close every connection at once (running streams are cut), each bounded.
+
+        A client with a running stream is told ``shutting_down`` (each write within
+        ``--close-timeout-s``); connections still open after another ``--close-timeout-s`` are cut.
+        """
         if self._server is not None:
             self._server.close()
-        for conn in list(self._connections):
-            await conn.shut_down()
+        await asyncio.gather(*(conn.shut_down() for conn in list(self._connections)), return_exceptions=True)
         tasks = list(self._connections.values())
         if tasks:
-            _, late = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            _, late = await asyncio.wait(tasks, timeout=self.settings.close_timeout_s)
             for conn, task in list(self._connections.items()):
                 if task in late:
                     conn.abort("the server is stopping")
@@ -248,15 +291,7 @@ class WyomingServer:
             self._server = None
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        client = client_identity(None, str(peer[0]) if peer else "?")
-        limiter = self.service.limiter
-        if len(self._connections) >= self.settings.max_connections or not limiter.open_connection(client):
-            self.metrics.errors.labels(code="too_many_connections").inc()
-            with contextlib.suppress(ConnectionError):
-                await async_write_event(error_event("too_many_connections", "too many connections"), writer)
-            writer.close()
-            return
+        client = client_identity(None, peer_ip(writer.transport))  # admitted by the guard already
         session = WyomingSession(
             self.service,
             wyoming_info(self.service.voice_names()),  # recordings' voices too
@@ -265,20 +300,11 @@ class WyomingServer:
             abort=lambda reason: conn.abort(reason),
             count_error=lambda code: self.metrics.errors.labels(code=code).inc(),
         )
-        conn = WyomingConnection(
-            reader,
-            writer,
-            session,
-            self.service,
-            send_timeout_s=self.settings.send_timeout_s,
-            max_message_bytes=self.settings.max_message_bytes,
-            metrics=self.metrics,
-        )
+        conn = WyomingConnection(reader, writer, session, self.settings, self.metrics)
         task = asyncio.current_task()
         assert task is not None
         self._connections[conn] = task
         try:
             await conn.run()
         finally:
-            limiter.close_connection(client)
             del self._connections[conn]

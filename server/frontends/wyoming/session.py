@@ -192,6 +192,10 @@ class WyomingSession:
         """Bytes that are no Wyoming event: say so and close."""
         return self._refuse("bad_request", message)
 
+    def timed_out(self, message: str) -> list[Action]:
+        """A deadline of the connection passed (idle, a slow event, text without its stop): say so, close."""
+        return self._refuse("timeout", message)
+
     def _open(
         self, text: str | None, voice: SynthesizeVoice | None, text_format: object, *, streaming: bool
     ) -> list[Action]:

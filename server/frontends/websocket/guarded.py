@@ -1,0 +1,71 @@
+"""The WebSocket port's TCP connections held to the port's guard (its share of the open files).
+
+The ``websockets`` server builds one :class:`ServerConnection` (an asyncio protocol) per TCP
+connection, and lets its ``create_connection`` argument name a subclass. The subclass made
+here counts every TCP connection of the port, the ones still in their opening handshake and
+the plain HTTP probes (``/health``) too, before ``websockets`` sees a byte: one over the
+port's cap reads an HTTP 503 and is closed, and never reaches the handshake. (Established
+WebSocket connections are also held to ``--max-connections`` by the handshake gate,
+:class:`~server.frontends.websocket.routes.Routes`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Final
+
+from websockets.asyncio.server import ServerConnection
+
+from server.frontends.ports import PortGuard, peer_ip, refuse
+
+log = logging.getLogger(__name__)
+
+_BODY: Final = b"too many connections\n"
+#: What a connection over the cap reads.
+REFUSAL: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
+)
+
+
+def guarded_connections(guard: PortGuard) -> type[ServerConnection]:
+    """A :class:`ServerConnection` subclass that admits each TCP connection through ``guard``."""
+
+    class GuardedConnection(ServerConnection):
+        """A WebSocket server connection that is refused, untouched by ``websockets``, over the cap."""
+
+        _refused: Callable[[], None] | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            if (why := guard.admit(None)) is not None:
+                log.info("WebSocket connection from %s refused: %s", peer_ip(transport), why)
+                self._refused = refuse(transport, REFUSAL, guard)
+                return
+            super().connection_made(transport)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused is None:
+                super().data_received(data)
+
+        def eof_received(self) -> None:
+            if self._refused is None:
+                super().eof_received()
+
+        def pause_writing(self) -> None:
+            if self._refused is None:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if self._refused is None:
+                super().resume_writing()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused is not None:
+                self._refused()
+                return
+            guard.release(None)
+            super().connection_lost(exc)
+
+    return GuardedConnection
