@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from server.audio.base import EncodedFrame
 from server.core.events import EndReason
 from server.engine_api import NATIVE_SAMPLE_RATE
-from server.errors import ResumeExpired, ServiceError
+from server.errors import InvalidRequest, ResumeExpired, ServiceError
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +260,21 @@ class Outbox:
         self.sent_index = index
         self._evict()
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the newest frame numbered so far (-1 before the first)."""
+        return self._next_seq - 1
+
     def check_resumable(self, after_seq: int) -> None:
-        """Raise ResumeExpired when an item after ``after_seq`` was already evicted."""
+        """Raise ResumeExpired when an item after ``after_seq`` was already evicted.
+
+        Raises:
+            InvalidRequest: ``after_seq`` is past the newest frame: the client cannot have it
+                (a resume from there would wait for frames it claims to hold, or for nothing).
+        """
+        if after_seq > self.last_seq:
+            newest = f"seq {self.last_seq}" if self.last_seq >= 0 else "none yet"
+            raise InvalidRequest(f"after_seq {after_seq} is past the stream's newest frame ({newest})")
         if after_seq < self._evicted_position:
             raise ResumeExpired(
                 f"frames after seq {after_seq} are no longer held "
