@@ -147,6 +147,12 @@ class Settings:
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
     )
     breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
+    # Hostile and careless clients (issue #25): what one client may hold and send.
+    invalid_messages_per_s: float = _opt(
+        20.0,
+        "invalid messages (refused as bad_request, unsupported, unknown_stream, ...) one WebSocket "
+        "connection may send per second (that many at once too); past it: close 1008 (0: unlimited)",
+    )
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
     log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))

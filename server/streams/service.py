@@ -88,24 +88,38 @@ class SpeechService:
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
 
     def admit(self, client: str) -> None:
-        """Refuse while draining, then rate-limit ``client`` (a draining server takes no token)."""
+        """Refuse while draining, then rate-limit ``client`` (a draining server takes no token).
+
+        For work other than streams (voice uploads); :meth:`open` with ``client`` rate-limits
+        a stream itself, spending the token only once the stream exists.
+        """
         self.check_accepting()
         self.check_rate(client)
 
     # --- opening -------------------------------------------------------------------------------
 
     def open(
-        self, request: SpeechRequest, lease: Lease, *, route: str | None = None, resumable: bool = True
+        self,
+        request: SpeechRequest,
+        lease: Lease,
+        *,
+        route: str | None = None,
+        resumable: bool = True,
+        client: str | None = None,
     ) -> Stream:
         """Validate ``request``, start generating it (or answer it from the cache), register it.
 
         ``lease`` is the front end that sends the stream; ``route`` goes into the token.
+        ``client`` (its rate-limit identity) is rate-limited: a token is spent only when the
+        stream is opened, so a refused request costs none.
 
         Raises:
-            ServiceError: ``Draining``, ``InvalidRequest``, ``TextTooLong``, ``Unsupported``,
-                ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
+            ServiceError: ``Draining``, ``RateLimited``, ``InvalidRequest``, ``TextTooLong``,
+                ``Unsupported``, ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
         """
         self.check_accepting()
+        if client is not None and (wait_ms := self.limiter.wait_ms(client)):
+            raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
         encoder = self._encoder_for(request)
         s = self.settings
         outbox = Outbox(
@@ -138,6 +152,8 @@ class SpeechService:
             clock=self._clock,
         )
         self.registry.add(stream)
+        if client is not None:
+            self.limiter.take(client)
         if generation is not None:
             self._own(asyncio.create_task(stream.run(), name=f"stream-{redact(stream.token)}"))
         return stream

@@ -103,7 +103,7 @@ async def test_openai_endpoint_refuses_an_unknown_tag(app: App) -> None:
 
 @pytest.mark.parametrize("text", ["[laugh][laugh]", "[uv_break] [laugh]。[lbreak]", "[break_3]，[oral_2]…"])
 async def test_text_of_only_control_tags_is_refused(app: App, text: str) -> None:
-    """Issue #25, finding 12: a wordless segment makes the model babble, so tags alone are nothing to speak."""
+    """Issue #25, finding 12: a wordless segment makes the model babble: tags alone are nothing to speak."""
     async with asyncio.timeout(DEADLINE_S):
         ws, _ = await open_client(app.port)
         await start(ws, id="t", text=text)

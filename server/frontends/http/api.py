@@ -214,8 +214,7 @@ class HttpApi:
                 message = f"request body over {self.settings.max_message_bytes} bytes"
                 return counted_error(self.metrics, 413, "bad_request", message)
             body, fmt = _parse(raw)
-            self.service.check_rate(request[CLIENT])
-            stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
+            stream = self.service.open(_request_of(body, fmt), lease, resumable=False, client=request[CLIENT])
         except BodyError as err:
             return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
         except ServiceError as exc:

@@ -11,8 +11,10 @@ built in ``server.frontends.websocket.wire``. Tests drive it with plain strings,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from server.audio import opus_preskip
 from server.errors import ServiceError, UnknownStream
@@ -29,6 +31,7 @@ from server.frontends.websocket.wire import (
     Start,
 )
 from server.metrics import Metrics
+from server.streams.limits import TokenBucket
 from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
@@ -75,6 +78,14 @@ class Close:
 
 Action = Send | StartPump | StopPump | Close
 DRAIN_CLOSE = Close(1012, "server is restarting")
+#: Past ``--invalid-messages-per-s`` a connection is closed with the policy code.
+INVALID_CLOSE = Close(1008, "too many invalid messages")
+#: Refusals that are the message's fault, counted against ``--invalid-messages-per-s``; the
+#: others (``overloaded``, ``resume_expired``, ``shutting_down``, ``internal``) are the server's.
+INVALID_CODES: Final = frozenset(
+    {"bad_request", "text_too_long", "unsupported", "duplicate_id", "too_many_streams", "unknown_stream"}
+    | {"rate_limited"}  # a client that ignores retry_after_ms
+)
 
 
 class ConnectionProtocol:
@@ -98,6 +109,7 @@ class ConnectionProtocol:
         route: str | None,
         abort: Callable[[str], None],
         metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._service = service
         self._info = info
@@ -105,7 +117,11 @@ class ConnectionProtocol:
         self._route = route
         self._abort = abort
         self._metrics = metrics
+        self._clock = clock
         self._attached: dict[str, Attachment] = {}
+        rate = service.settings.invalid_messages_per_s
+        #: Invalid messages this connection may still send (refilled at ``rate`` per second).
+        self._invalid = TokenBucket(rate, rate, rate, clock()) if rate > 0 else None
 
     def hello(self) -> str:
         """The first message."""
@@ -129,7 +145,14 @@ class ConnectionProtocol:
             actions: list[Action] = [Send(wire.error(err))]
             if err.code == "shutting_down":
                 actions += self.close_if_idle()
+            elif err.code in INVALID_CODES and self._too_many_invalid():
+                self._metrics.errors.labels(code="too_many_invalid").inc()
+                actions.append(INVALID_CLOSE)
             return actions
+
+    def _too_many_invalid(self) -> bool:
+        """Count one invalid message; True once past ``--invalid-messages-per-s``."""
+        return self._invalid is not None and self._invalid.take(self._clock()) > 0
 
     def _dispatch(self, message: ClientMessage) -> list[Action]:
         if isinstance(message, Start):
@@ -163,9 +186,9 @@ class ConnectionProtocol:
         service = self._service
         lease = Lease(self._abort)
         try:
-            service.admit(self._client)
+            service.check_accepting()
             self._check_room(msg.id)
-            stream = service.open(wire.speech_request(msg), lease, route=self._route)
+            stream = service.open(wire.speech_request(msg), lease, route=self._route, client=self._client)
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
