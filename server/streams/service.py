@@ -34,7 +34,7 @@ from server.streams.stream import Lease, Stream, StreamState, new_stream_token, 
 from server.text.segments import TextBuffer, has_speakable, split_segments
 from server.text.tags import problem as tag_problem
 from server.text.tags import refine_prompt_problem
-from server.voices.library import VoiceLibrary
+from server.voices.library import StoredVoice, VoiceLibrary
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
@@ -70,9 +70,9 @@ class SpeechService:
         #: Voices made from recordings (``POST /v1/audio/voices``), by id.
         self.voices = VoiceLibrary(settings, engine)
 
-    def voice_names(self) -> tuple[str, ...]:
-        """Every voice name a stream may use: the engine's, then those made from recordings."""
-        return (*self.engine.info.voices, *(v.id for v in self.voices.all()))
+    def voice_names(self, owner: str | None = None) -> tuple[str, ...]:
+        """Every voice name ``owner`` may use: the engine's, then those made from recordings it sees."""
+        return (*self.engine.info.voices, *(v.id for v in self.voices.all(owner)))
 
     # --- admission -------------------------------------------------------------------------
 
@@ -106,12 +106,15 @@ class SpeechService:
         route: str | None = None,
         resumable: bool = True,
         client: str | None = None,
+        owner: str | None = None,
     ) -> Stream:
         """Validate ``request``, start generating it (or answer it from the cache), register it.
 
         ``lease`` is the front end that sends the stream; ``route`` goes into the token.
         ``client`` (its rate-limit identity) is rate-limited: a token is spent only when the
-        stream is opened, so a refused request costs none.
+        stream is opened, so a refused request costs none. ``owner`` (the client's tenant;
+        None: no tenants) owns the stream: only it may resume it, and it speaks only the
+        voices ``owner`` sees.
 
         Raises:
             ServiceError: ``Draining``, ``RateLimited``, ``InvalidRequest``, ``TextTooLong``,
@@ -120,7 +123,8 @@ class SpeechService:
         self.check_accepting()
         if client is not None and (wait_ms := self.limiter.wait_ms(client)):
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
-        encoder = self._encoder_for(request)
+        stored = self.voices.get(request.voice, owner)
+        encoder = self._encoder_for(request, stored)
         s = self.settings
         outbox = Outbox(
             sample_rate=encoder.sample_rate,
@@ -132,9 +136,9 @@ class SpeechService:
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
         if request.incremental:
-            generation, text_feed = self._start_incremental(request)
+            generation, text_feed = self._start_incremental(request, stored)
         else:
-            generation, on_complete = self._start_whole(request, outbox)
+            generation, on_complete = self._start_whole(request, outbox, stored)
         stream = Stream(
             name=request.name,
             token=new_stream_token(route),
@@ -150,6 +154,7 @@ class SpeechService:
             on_complete=on_complete,
             on_freed=self.registry.remove,
             clock=self._clock,
+            owner=owner,
         )
         self.registry.add(stream)
         if client is not None:
@@ -159,13 +164,12 @@ class SpeechService:
         return stream
 
     def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox
+        self, request: SpeechRequest, outbox: Outbox, stored: StoredVoice | None
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
         """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
         segments = self._segments(request)
         cache, key = self.cache, None
         if cache is not None:
-            stored = self.voices.get(request.voice)
             digest = stored.sample.digest if stored is not None else ""
             key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
         on_complete = None
@@ -177,10 +181,11 @@ class SpeechService:
                 return None, None
             self.metrics.cache_misses.inc()
             on_complete = self._storer(cache, key)
-        generation = self.engine.generate(GenerateRequest(segments=segments, params=self._params(request)))
+        params = self._params(request, stored)
+        generation = self.engine.generate(GenerateRequest(segments=segments, params=params))
         return generation, on_complete
 
-    def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
+    def _encoder_for(self, request: SpeechRequest, stored: StoredVoice | None) -> FrameEncoder:
         """The stream's encoder; checks text size, control tags, format, rate and voice first."""
         limit = self.settings.max_text_chars
         if request.text is None and not request.incremental:
@@ -202,7 +207,7 @@ class SpeechService:
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise Unsupported(str(exc)) from None
-        if self.voices.get(request.voice) is None and not self.engine.validate_voice(request.voice):
+        if stored is None and not self.engine.validate_voice(request.voice):
             raise Unsupported(f"unknown voice {request.voice!r}")
         if request.refine and not self.engine.info.refine:
             raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")
@@ -210,9 +215,9 @@ class SpeechService:
             raise InvalidRequest(problem)
         return encoder
 
-    def _params(self, request: SpeechRequest) -> SynthesisParams:
+    @staticmethod
+    def _params(request: SpeechRequest, stored: StoredVoice | None) -> SynthesisParams:
         """The request's synthesis parameters; a voice from a recording travels with them."""
-        stored = self.voices.get(request.voice)
         if stored is None:
             return request.params
         return dataclasses.replace(request.params, reference=stored.sample)
@@ -228,13 +233,15 @@ class SpeechService:
             )
         return segments
 
-    def _start_incremental(self, request: SpeechRequest) -> tuple[Generation, TextFeed]:
+    def _start_incremental(
+        self, request: SpeechRequest, stored: StoredVoice | None
+    ) -> tuple[Generation, TextFeed]:
         s = self.settings
         text = request.text or ""
         buffer = TextBuffer(max_chars=s.segment_max_chars)
         first = tuple(buffer.append(text))
         generation = self.engine.generate(
-            GenerateRequest(segments=first, params=self._params(request), incremental=True)
+            GenerateRequest(segments=first, params=self._params(request, stored), incremental=True)
         )
         delay_ms = (
             s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
@@ -266,14 +273,15 @@ class SpeechService:
 
     # --- resuming, sending, freeing -------------------------------------------------------------------
 
-    def find(self, token: str) -> Stream:
-        """The stream behind a resume token.
+    def find(self, token: str, owner: str | None = None) -> Stream:
+        """The stream behind a resume token, if ``owner`` owns it.
 
         Raises:
-            UnknownStream: no stream with this token is held here.
+            UnknownStream: no stream with this token is held here for ``owner`` (another
+                tenant's stream is answered as one that does not exist).
         """
         stream = self.registry.get(token)
-        if stream is None or not stream.resumable:
+        if stream is None or not stream.resumable or stream.owner != owner:
             raise UnknownStream("no stream with this token is held here")
         return stream
 

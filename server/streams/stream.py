@@ -106,9 +106,12 @@ class Stream:
         on_complete: Callable[[Stream], None] | None = None,
         on_freed: Callable[[Stream], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
     ) -> None:
         self.name = name  # the client's id for the stream
         self.token = token
+        #: The tenant that made it (None: no tenants); only it may resume the stream.
+        self.owner = owner
         self.encoder = encoder
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).

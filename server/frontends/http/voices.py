@@ -19,6 +19,7 @@ from aiohttp import BodyPartReader, web
 
 from server.config import Settings
 from server.errors import InvalidRequest, ServiceError
+from server.frontends.access import tenant_of
 from server.frontends.http.common import CLIENT, counted_error, service_error
 from server.metrics import Metrics
 from server.streams.service import SpeechService
@@ -69,7 +70,10 @@ class VoicesApi:
             if "transcript" not in fields:
                 message = "missing the transcript: what is said in the recording"
                 return counted_error(self.metrics, 400, "bad_request", message, param="transcript")
-            voice = await self.service.voices.create(audio, fields["transcript"], fields.get("name", ""))
+            owner = tenant_of(request[CLIENT])
+            voice = await self.service.voices.create(
+                audio, fields["transcript"], fields.get("name", ""), owner
+            )
         except _TooLarge:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
             return counted_error(self.metrics, 413, "bad_request", message, param="audio_sample")
@@ -88,7 +92,7 @@ class VoicesApi:
         voice_id = request.match_info["voice_id"]
         try:
             self.service.check_rate(request[CLIENT])
-            await self.service.voices.delete(voice_id)
+            await self.service.voices.delete(voice_id, tenant_of(request[CLIENT]))
         except ServiceError as exc:
             return service_error(exc, self.metrics)
         return web.json_response({"id": voice_id, "object": "audio.voice.deleted", "deleted": True})

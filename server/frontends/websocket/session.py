@@ -18,6 +18,7 @@ from typing import Final
 
 from server.audio import opus_preskip
 from server.errors import ServiceError, UnknownStream
+from server.frontends.access import tenant_of
 from server.frontends.common import ServerInfo
 from server.frontends.websocket import wire
 from server.frontends.websocket.wire import (
@@ -114,6 +115,8 @@ class ConnectionProtocol:
         self._service = service
         self._info = info
         self._client = client
+        #: The tenant this connection's key belongs to (None: no API keys, one user).
+        self._owner = tenant_of(client)
         self._route = route
         self._abort = abort
         self._metrics = metrics
@@ -125,7 +128,7 @@ class ConnectionProtocol:
 
     def hello(self) -> str:
         """The first message."""
-        return wire.hello(self._info, self._service.voice_names())
+        return wire.hello(self._info, self._service.voice_names(self._owner))
 
     @property
     def attached(self) -> dict[str, Attachment]:
@@ -188,7 +191,8 @@ class ConnectionProtocol:
         try:
             service.check_accepting()
             self._check_room(msg.id)
-            stream = service.open(wire.speech_request(msg), lease, route=self._route, client=self._client)
+            request = wire.speech_request(msg)
+            stream = service.open(request, lease, route=self._route, client=self._client, owner=self._owner)
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
@@ -206,7 +210,7 @@ class ConnectionProtocol:
     def _resume(self, msg: Resume) -> list[Action]:
         service = self._service
         try:
-            stream = service.find(msg.stream)
+            stream = service.find(msg.stream, self._owner)
             # Check everything before touching the stream's current attachment.
             stream.outbox.check_resumable(msg.after_seq)
         except ServiceError as exc:
