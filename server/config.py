@@ -148,6 +148,12 @@ class Settings:
     )
     breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
     # Hostile and careless clients (issue #25): what one client may hold and send.
+    memory_budget_bytes: int = _opt(
+        512 * 1024 * 1024,
+        "bytes buffered for all clients together (replay buffers, unsent audio, audio waiting for "
+        "the encoder); past it the streams of the client holding the most are freed, biggest first "
+        "(their connections aborted); 0: no budget",
+    )
     invalid_messages_per_s: float = _opt(
         20.0,
         "invalid messages (refused as bad_request, unsupported, unknown_stream, ...) one WebSocket "

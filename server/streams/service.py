@@ -24,6 +24,7 @@ from server.core.client import EngineClient, GenerateRequest, Generation
 from server.engine_api import SynthesisParams
 from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
 from server.metrics import Metrics
+from server.streams.budget import MemoryBudget
 from server.streams.cache import ResponseCache, cache_key
 from server.streams.incremental import TextFeed
 from server.streams.limits import ClientLimiter
@@ -38,6 +39,15 @@ from server.voices.library import StoredVoice, VoiceLibrary
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _Who:
+    """Whose stream is being opened: the client, its share of the memory budget, its voice."""
+
+    client: str
+    charge: Callable[[int], None]
+    voice: StoredVoice | None
 
 
 class SpeechService:
@@ -56,6 +66,8 @@ class SpeechService:
         self.metrics = metrics
         self._clock = clock
         self.registry = StreamRegistry(ttl_s=settings.resume_ttl_s, clock=clock)
+        #: Everything buffered for clients; past ``--memory-budget-bytes`` streams are freed.
+        self.budget = MemoryBudget(settings.memory_budget_bytes, self.free_over_budget)
         #: SIGTERM was received: new streams are refused with ``Draining``.
         self.draining = False
         # Opus/Ogg encoding runs here so the event loop never waits for libopus.
@@ -126,19 +138,21 @@ class SpeechService:
         stored = self.voices.get(request.voice, owner)
         encoder = self._encoder_for(request, stored)
         s = self.settings
+        who = _Who(client or "", self.budget.charger(client or ""), stored)
         outbox = Outbox(
             sample_rate=encoder.sample_rate,
             max_unsent_s=s.max_buffered_s,
             replay_max_s=s.replay_max_s,
             replay_max_bytes=s.replay_max_bytes,
+            charge=who.charge,
         )
         generation: Generation | None
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
         if request.incremental:
-            generation, text_feed = self._start_incremental(request, stored)
+            generation, text_feed = self._start_incremental(request, who)
         else:
-            generation, on_complete = self._start_whole(request, outbox, stored)
+            generation, on_complete = self._start_whole(request, outbox, who)
         stream = Stream(
             name=request.name,
             token=new_stream_token(route),
@@ -155,6 +169,7 @@ class SpeechService:
             on_freed=self.registry.remove,
             clock=self._clock,
             owner=owner,
+            client=who.client,
         )
         self.registry.add(stream)
         if client is not None:
@@ -164,13 +179,13 @@ class SpeechService:
         return stream
 
     def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox, stored: StoredVoice | None
+        self, request: SpeechRequest, outbox: Outbox, who: _Who
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
         """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
         segments = self._segments(request)
         cache, key = self.cache, None
         if cache is not None:
-            digest = stored.sample.digest if stored is not None else ""
+            digest = who.voice.sample.digest if who.voice is not None else ""
             key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
         on_complete = None
         if cache is not None and key is not None:
@@ -181,8 +196,10 @@ class SpeechService:
                 return None, None
             self.metrics.cache_misses.inc()
             on_complete = self._storer(cache, key)
-        params = self._params(request, stored)
-        generation = self.engine.generate(GenerateRequest(segments=segments, params=params))
+        params = self._params(request, who.voice)
+        generation = self.engine.generate(
+            GenerateRequest(segments=segments, params=params, client=who.client, on_queued=who.charge)
+        )
         return generation, on_complete
 
     def _encoder_for(self, request: SpeechRequest, stored: StoredVoice | None) -> FrameEncoder:
@@ -233,15 +250,16 @@ class SpeechService:
             )
         return segments
 
-    def _start_incremental(
-        self, request: SpeechRequest, stored: StoredVoice | None
-    ) -> tuple[Generation, TextFeed]:
+    def _start_incremental(self, request: SpeechRequest, who: _Who) -> tuple[Generation, TextFeed]:
         s = self.settings
         text = request.text or ""
         buffer = TextBuffer(max_chars=s.segment_max_chars)
         first = tuple(buffer.append(text))
+        params = self._params(request, who.voice)
         generation = self.engine.generate(
-            GenerateRequest(segments=first, params=self._params(request, stored), incremental=True)
+            GenerateRequest(
+                segments=first, params=params, incremental=True, client=who.client, on_queued=who.charge
+            )
         )
         delay_ms = (
             s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
@@ -322,6 +340,28 @@ class SpeechService:
                 stream.close()
         for stream in self.registry.over_budget(self.settings.replay_total_bytes):
             stream.close()
+        self.metrics.buffered_bytes.set(self.budget.total)
+
+    def free_over_budget(self) -> None:
+        """Past ``--memory-budget-bytes``: free streams until what is buffered fits again.
+
+        Delivered streams (kept only for a late resume) go first, oldest first; then the
+        streams of the client that holds the most, its biggest first. A freed stream's
+        connection, if it has one, is aborted (its client was not reading fast enough: the
+        same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
+        """
+        while self.budget.over and (victim := self.registry.budget_victim(self.budget)) is not None:
+            log.warning(
+                "memory budget (--memory-budget-bytes %d) passed: freeing stream %s of the client "
+                "holding the most (%d bytes)",
+                self.budget.limit,
+                redact(victim.token),
+                self.budget.of(victim.client),
+            )
+            if victim.lease is not None:
+                victim.lease.abort("over the server's memory budget: the client holds the most unsent audio")
+            victim.close("budget")
+        self.metrics.buffered_bytes.set(self.budget.total)
 
     async def stop(self) -> None:
         """Free every stream, stop the sweeper and the streams' tasks, stop the encoder threads."""
