@@ -44,7 +44,7 @@ import aiohttp
 from bench import chaos_report
 from bench.chaos_attacks import ATTACKS
 from bench.chaos_normal import Normal, http_worker, ws_worker
-from bench.chaos_sockets import _recording
+from bench.chaos_sockets import recording
 from bench.machine import describe_machine
 from bench.servers import ServerProcess, child_env, free_port
 from bench.soak_report import Sampler, fetch_metrics_text, read_gauges, samples_as_dicts
@@ -88,7 +88,7 @@ def server_flags(args: argparse.Namespace, keys_file: Path, http_port: int, wyom
 async def upload_voice(http_url: str, key: str) -> str:
     """A voice of the normal tenant (the tenancy attack tries to use it); its id."""
     form = aiohttp.FormData()
-    form.add_field("audio_sample", _recording(), filename="me.wav", content_type="audio/wav")
+    form.add_field("audio_sample", recording(), filename="me.wav", content_type="audio/wav")
     form.add_field("transcript", "这是一段参考录音。")
     headers = {"Authorization": f"Bearer {key}"}
     async with (

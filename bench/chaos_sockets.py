@@ -148,7 +148,7 @@ async def hold_wyoming(t: Target, deadline: float, tally: Tally) -> None:
         await holder
 
 
-def _recording() -> bytes:
+def recording() -> bytes:
     """Two seconds of a 180 Hz tone, 16-bit mono WAV at 24 kHz (a valid upload)."""
     out = io.BytesIO()
     with wave.open(out, "wb") as w:
@@ -166,7 +166,7 @@ def _recording() -> bytes:
 def bad_uploads() -> list[tuple[str, bytes, str]]:
     """Multipart bodies each wrong in one part: (the part the 400 must name, body, boundary)."""
     boundary = "chaosboundary"
-    wav = _recording()
+    wav = recording()
 
     def part(name: str, value: bytes, *headers: str, filename: str | None = None) -> bytes:
         disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
