@@ -1,6 +1,6 @@
 """Per-client protection: token-bucket rate limits and connection caps.
 
-A *client* is its API key when it presented one, else its IP address. All
+A *client* is its API key's tenant when keys are configured, else its IP address. All
 state is bounded: at most ``max_clients`` buckets are kept, least recently
 used first out (a forgotten client starts with a full bucket, which only
 ever errs towards letting a request through). Pure logic; clock injected.

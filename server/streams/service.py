@@ -350,17 +350,22 @@ class SpeechService:
         connection, if it has one, is aborted (its client was not reading fast enough: the
         same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
         """
+        before, freed, clients = self.budget.total, 0, set()
         while self.budget.over and (victim := self.registry.budget_victim(self.budget)) is not None:
-            log.warning(
-                "memory budget (--memory-budget-bytes %d) passed: freeing stream %s of the client "
-                "holding the most (%d bytes)",
-                self.budget.limit,
-                redact(victim.token),
-                self.budget.of(victim.client),
-            )
             if victim.lease is not None:
                 victim.lease.abort("over the server's memory budget: the client holds the most unsent audio")
+            clients.add(victim.client)
             victim.close("budget")
+            freed += 1
+        # One line per pass, not per stream: a client that keeps meeting the budget cannot flood the log.
+        log.warning(
+            "memory budget (--memory-budget-bytes %d) passed: freed %d streams of %s, %d → %d bytes",
+            self.budget.limit,
+            freed,
+            ", ".join(sorted(clients)) or "no client",
+            before,
+            self.budget.total,
+        )
         self.metrics.buffered_bytes.set(self.budget.total)
 
     async def stop(self) -> None:
