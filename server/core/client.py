@@ -229,6 +229,11 @@ class EngineClient:
         return self.alive and time.monotonic() - self._heard < HEARTBEAT_STALE_S
 
     @property
+    def admission(self) -> Admission:
+        """The policy's admission state as last published (what ``generate`` decides on)."""
+        return self._capacity.admission
+
+    @property
     def breaker_open(self) -> bool:
         """The engine keeps failing: new streams are refused until a probe succeeds."""
         return self._capacity.admission.breaker_open

@@ -111,7 +111,7 @@ async def test_a_client_that_fills_the_queue_keeps_no_one_out(make_app: Any) -> 
     hostile = [await hostile_connection(app.port, 4) for _ in range(3)]  # 12 long streams
     try:
         # The hostile client fills the queue: its own next start is refused.
-        await wait_until(lambda: app.engine_client._capacity.admission.waiting >= 8, 30)
+        await wait_until(lambda: app.engine_client.admission.waiting >= 8, 30)
         extra = await hostile_connection(app.port, 1)
         hostile.append(extra)
         refused = json.loads(await asyncio.wait_for(_first_text(extra), 30))
@@ -119,7 +119,7 @@ async def test_a_client_that_fills_the_queue_keeps_no_one_out(make_app: Any) -> 
         # A newcomer is admitted and served in the current round, ahead of the backlog.
         [done] = await normal_streams(app.port, 1)
         assert done["reason"] == "complete"
-        assert app.engine_client._capacity.admission.by_client.get("ip:127.0.0.2", 0) >= 4
+        assert app.engine_client.admission.by_client.get("ip:127.0.0.2", 0) >= 4
     finally:
         for ws in hostile:
             ws.transport.abort()
