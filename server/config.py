@@ -178,6 +178,18 @@ class Settings:
         "open files kept for the process; the rest of RLIMIT_NOFILE (raised to its hard limit) is split "
         "evenly among the open ports, each refusing connections over its share",
     )
+    # Hostile and careless clients (issue #25): what one client may hold and send.
+    memory_budget_bytes: int = _opt(
+        512 * 1024 * 1024,
+        "bytes buffered for all clients together (replay buffers, unsent audio, audio waiting for "
+        "the encoder); past it the streams of the client holding the most are freed, biggest first "
+        "(their connections aborted); 0: no budget",
+    )
+    invalid_messages_per_s: float = _opt(
+        20.0,
+        "invalid messages (refused as bad_request, unsupported, unknown_stream, ...) one WebSocket "
+        "connection may send per second (that many at once too); past it: close 1008 (0: unlimited)",
+    )
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
     log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))

@@ -57,6 +57,11 @@ class Metrics:
             "chattts_cache_misses", "Seeded streams not in the response cache", registry=r
         )
         self.cache_bytes = Gauge("chattts_cache_bytes", "Bytes held by the response cache", registry=r)
+        self.buffered_bytes = Gauge(
+            "chattts_buffered_bytes",
+            "Bytes buffered for clients (--memory-budget-bytes bounds it)",
+            registry=r,
+        )
         self.engine = Info(
             "chattts_engine",
             "The loaded engine: name, device, dtype, weights (official, unverified or random)",

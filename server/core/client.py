@@ -22,11 +22,12 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import assert_never
 
+from server.core.admission import refusal
 from server.core.engine_core import EngineCore
 from server.core.events import (
     Add,
@@ -49,7 +50,7 @@ from server.core.events import (
     StreamEvent,
     VoiceEncoded,
 )
-from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig, refusal
+from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig
 from server.engine_api import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
 from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
 from server.metrics import Metrics
@@ -66,24 +67,38 @@ class GenerateRequest:
         segments: the text, already split into segments (sentences).
         params: voice and sampling parameters.
         incremental: more segments will come through ``append`` until ``end_input``.
+        client: who asks (its rate-limit identity): admission and the queue are fair by client.
+        on_queued: told the change in bytes of audio received but not yet read from the
+            generation (a memory budget counts it).
     """
 
     segments: tuple[str, ...]
     params: SynthesisParams
     incremental: bool = False
+    client: str = ""
+    on_queued: Callable[[int], None] | None = None
+
+
+#: What one queued ``Audio`` event costs besides its samples (the event and array objects).
+EVENT_OVERHEAD_BYTES = 200
 
 
 class Generation:
     """One stream's events, in order: iterate it with ``async for``; it ends after ``Ended``."""
 
-    __slots__ = ("_client", "_ended", "_events", "_waiter", "stream_id")
+    __slots__ = ("_client", "_ended", "_events", "_on_queued", "_waiter", "queued_bytes", "stream_id")
 
-    def __init__(self, client: EngineClient, stream_id: int) -> None:
+    def __init__(
+        self, client: EngineClient, stream_id: int, on_queued: Callable[[int], None] | None = None
+    ) -> None:
         self._client = client
         self.stream_id = stream_id
         self._events: deque[StreamEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False
+        self._on_queued = on_queued
+        #: Bytes of the audio events received and not yet read.
+        self.queued_bytes = 0
 
     def append(self, text: str) -> None:
         """One more segment (incremental streams)."""
@@ -97,6 +112,13 @@ class Generation:
         """Stop generating; ``Ended`` with reason ``cancelled`` follows unless it ended already."""
         self._client.abort(self.stream_id)
 
+    def discard(self) -> None:
+        """Nobody will read on: stop generating and drop the events not read yet."""
+        self.abort()
+        self._events.clear()
+        self._ended = True
+        self._count(-self.queued_bytes)
+
     def __aiter__(self) -> Generation:
         return self
 
@@ -107,10 +129,21 @@ class Generation:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return events.popleft()
+        event = events.popleft()
+        if isinstance(event, Audio):
+            self._count(-(event.samples.nbytes + EVENT_OVERHEAD_BYTES))
+        return event
+
+    def _count(self, delta: int) -> None:
+        if delta:
+            self.queued_bytes += delta
+            if self._on_queued is not None:
+                self._on_queued(delta)
 
     def _push(self, event: StreamEvent) -> None:
         self._events.append(event)
+        if isinstance(event, Audio):
+            self._count(event.samples.nbytes + EVENT_OVERHEAD_BYTES)
         if isinstance(event, Ended):
             self._ended = True
         waiter = self._waiter
@@ -142,6 +175,10 @@ class EngineClient:
         self._encodes: dict[int, asyncio.Future[VoiceEncoded]] = {}
         self._ids = itertools.count()
         self._adds_sent = 0
+        #: The client of each ``Add`` sent and not yet taken in by the core, in order (the core
+        #: takes commands first in, first out, so ``adds_taken`` says which are taken).
+        self._pending_clients: deque[str] = deque()
+        self._pending_by_client: Counter[str] = Counter()
         self._capacity = Capacity(Admission(0, config.max_batch, INITIAL_SECONDS_PER_BLOCK, False), 0)
         self._stopped = False
         self._heard = time.monotonic()
@@ -192,6 +229,11 @@ class EngineClient:
         return self.alive and time.monotonic() - self._heard < HEARTBEAT_STALE_S
 
     @property
+    def admission(self) -> Admission:
+        """The policy's admission state as last published (what ``generate`` decides on)."""
+        return self._capacity.admission
+
+    @property
     def breaker_open(self) -> bool:
         """The engine keeps failing: new streams are refused until a probe succeeds."""
         return self._capacity.admission.breaker_open
@@ -218,15 +260,22 @@ class EngineClient:
         if self._stopped or self._thread is None:
             raise EngineUnavailable("the inference loop is not running")
         capacity = self._capacity
-        retry_ms = refusal(capacity.admission, self.config, self._adds_sent - capacity.adds_taken)
+        retry_ms = refusal(
+            capacity.admission,
+            self.config,
+            self._adds_sent - capacity.adds_taken,
+            client=request.client,
+            pending_by_client=self._pending_by_client,
+        )
         if retry_ms is not None:
             raise Overloaded("the server is at capacity; retry later", retry_after_ms=retry_ms)
-        generation = Generation(self, next(self._ids))
+        generation = Generation(self, next(self._ids), request.on_queued)
         self._generations[generation.stream_id] = generation
         self._adds_sent += 1
-        self._core.send(
-            Add(generation.stream_id, request.segments, request.params, input_closed=not request.incremental)
-        )
+        self._pending_clients.append(request.client)
+        self._pending_by_client[request.client] += 1
+        closed, client = not request.incremental, request.client
+        self._core.send(Add(generation.stream_id, request.segments, request.params, closed, client))
         self._count_queue()
         return generation
 
@@ -297,6 +346,7 @@ class EngineClient:
                             del generations[event.stream_id]
                 case Capacity():
                     self._capacity = event
+                    self._taken(event.adds_taken)
                     self._count_queue()
                 case VoiceEncoded():
                     future = self._encodes.get(event.request_id)
@@ -331,6 +381,15 @@ class EngineClient:
         for request_id, future in self._encodes.items():
             if not future.done():
                 future.set_result(VoiceEncoded(request_id, None, STOPPED_MESSAGE, failed=True))
+
+    def _taken(self, adds_taken: int) -> None:
+        """The core has taken ``adds_taken`` adds in all: they are no longer pending."""
+        pending = self._pending_by_client
+        while len(self._pending_clients) > self._adds_sent - adds_taken:
+            client = self._pending_clients.popleft()
+            pending[client] -= 1
+            if pending[client] <= 0:
+                del pending[client]
 
     def _count_queue(self) -> None:
         capacity = self._capacity

@@ -195,6 +195,7 @@ class EngineCore:
                         command.params,
                         input_closed=command.input_closed,
                         now=now,
+                        client=command.client,
                     )
                 )
             case Append(stream_id=stream_id, text=text):

@@ -9,7 +9,8 @@ Commands go from the :class:`~server.core.client.EngineClient` to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from server.engine_api import AudioArray, Codes, EngineInfo, SynthesisParams
@@ -28,6 +29,7 @@ class Add:
     segments: tuple[str, ...]
     params: SynthesisParams
     input_closed: bool = True
+    client: str = ""  # who asked: the queue takes turns by client
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +142,15 @@ class Admission:
         batch_limit: sequences one step may hold now (lowered after out-of-memory).
         seconds_per_block: moving average of one engine step.
         breaker_open: new streams are refused until a probe succeeds.
+        by_client: how many sequences a listener waits for (a stream's current segment, not
+            look-ahead) each client has waiting (clients with none are absent).
     """
 
     waiting: int
     batch_limit: int
     seconds_per_block: float
     breaker_open: bool
+    by_client: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ class StreamPlan:
         finished_segments: segments that finished, at or after ``emit_index``.
         live_seqs: engine sequence id → segment index, for segments queued or running.
         ended: no more events follow (complete, cancelled or failed).
+        client: who asked for it (its rate-limit identity): the queue takes turns by client.
     """
 
     stream_id: int
@@ -43,6 +44,7 @@ class StreamPlan:
     finished_segments: set[int] = field(default_factory=set)
     live_seqs: dict[int, int] = field(default_factory=dict)
     ended: bool = False
+    client: str = ""
 
     def segments_to_queue(self, lookahead: int) -> list[int]:
         """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.

@@ -19,8 +19,13 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
 - **Held-segment cap**: segments that finish ahead of their turn are held (their
   audio waits); no more look-ahead is queued while more than ``1 + lookahead``
   are held.
-- **Admission** (:func:`refusal`): a new stream is refused while ``max_queue``
-  sequences wait, with a retry estimate, and while the breaker is open.
+- **Fair turns**: waiting sequences leave by priority, then round-robin over the
+  clients that asked for them (:class:`~server.core.fairqueue.FairQueue`), so one
+  client's backlog never stands in front of everyone else.
+- **Admission** (:func:`server.core.admission.refusal`): a new stream is refused while ``max_queue``
+  sequences wait, with a retry estimate, and while the breaker is open; past
+  ``max_queue`` a client still under its fair share of the queue is admitted (up
+  to twice ``max_queue`` in all), so one client cannot keep the others out.
 - **Out of memory**: the batch limit halves and the first half runs at once (the
   rest stay paused in the engine); it grows back by one every
   ``oom_recovery_steps`` good steps.
@@ -31,13 +36,13 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
+from server.core.fairqueue import FairQueue, Waiting
 from server.core.plan import StreamPlan
 from server.engine_api import SequenceRequest, StepResult, SynthesisParams
 
@@ -120,49 +125,16 @@ class Probed:
 Outcome = Stepped | StepFailed | OutOfMemory | Probed
 
 
-def retry_after_ms(queued: int, batch_limit: int, seconds_per_block: float) -> int:
-    """When a refused stream could expect a slot: batches ahead × ten blocks × block time.
-
-    A sequence needs roughly ten blocks; the 250 ms floor avoids retry storms.
-    """
-    batches_ahead = 1 + queued // max(1, batch_limit)
-    return max(250, int(batches_ahead * 10 * seconds_per_block * 1000))
-
-
-def refusal(admission: Admission, config: PolicyConfig, pending: int) -> int | None:
-    """The admission rule: None to admit a new stream, else the ``retry_after_ms`` to refuse it with.
-
-    Args:
-        admission: the policy's state (:meth:`SchedulingPolicy.admission`).
-        config: the policy's configuration.
-        pending: streams submitted that ``admission`` does not count yet.
-    """
-    if admission.breaker_open:  # /ready fails meanwhile, so a load balancer routes elsewhere
-        return int(config.breaker_probe_interval_s * 1000)
-    queued = admission.waiting + pending
-    if queued < config.max_queue:
-        return None
-    return retry_after_ms(queued, admission.batch_limit, admission.seconds_per_block)
-
-
-@dataclass(eq=False)
-class _Waiting:
-    plan: StreamPlan
-    segment: int
-    since: float
-
-
 class SchedulingPolicy:
     """Waiting and running sequences, priorities, batch limit and breaker; no I/O, no clock."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self._plans: dict[int, StreamPlan] = {}
-        self._waiting: list[tuple[int, int, _Waiting]] = []  # heap of (priority, order, entry)
+        self._waiting = FairQueue()
         self._running: dict[int, StreamPlan] = {}  # seq_id -> stream, in admission order
         self._drops: list[int] = []
         self._seq_ids = itertools.count()
-        self._order = itertools.count()
         #: Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it).
         self.batch_limit = config.max_batch
         #: Moving average of one engine step (for the retry estimate).
@@ -195,6 +167,7 @@ class SchedulingPolicy:
             batch_limit=self.batch_limit,
             seconds_per_block=self.seconds_per_block,
             breaker_open=self.breaker_open,
+            by_client=self._waiting.by_client(),
         )
 
     def running(self, seq_ids: Iterable[int]) -> tuple[int, ...]:
@@ -211,9 +184,10 @@ class SchedulingPolicy:
         *,
         input_closed: bool,
         now: float,
+        client: str = "",
     ) -> list[StreamEvent]:
-        """A new stream; an empty closed one completes at once."""
-        plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed)
+        """A new stream (``client`` asked for it); an empty closed one completes at once."""
+        plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed, client=client)
         if self.breaker_open:  # admitted just before the breaker opened: it would wait for nothing
             return [Ended(stream_id, "error", BREAKER_MESSAGE)]
         self._plans[stream_id] = plan
@@ -258,7 +232,7 @@ class SchedulingPolicy:
             return Batch(drop=drop, probe=True) if now >= due else Batch(drop=drop, wait_until=due)
         if not self._running and 0 < len(self._waiting) < self.batch_limit:
             # Idle → busy: wait up to max_wait for more streams to share the first step.
-            deadline = min(entry.since for _, _, entry in self._waiting) + self.config.max_wait_s
+            deadline = self._waiting.oldest_since() + self.config.max_wait_s
             if now < deadline:
                 return Batch(drop=drop, wait_until=deadline)
         add, waited = self._admit(now)
@@ -303,7 +277,7 @@ class SchedulingPolicy:
         """Stop taking work: waiting streams fail now, new ones are refused, probes begin."""
         self._breaker_since = now
         events: list[CoreEvent] = [BreakerChanged(open=True)]
-        waiting = dict.fromkeys(entry.plan for _, _, entry in sorted(self._waiting))
+        waiting = dict.fromkeys(entry.plan for entry in self._waiting)
         for plan in waiting:
             if not plan.ended:
                 events += self._end(plan, "error", BREAKER_MESSAGE)
@@ -316,14 +290,14 @@ class SchedulingPolicy:
         for index in plan.segments_to_queue(self.config.lookahead):
             # Priority 0 for the segment a listener is waiting for, 1 for look-ahead.
             priority = 0 if index == plan.emit_index else 1
-            heapq.heappush(self._waiting, (priority, next(self._order), _Waiting(plan, index, now)))
+            self._waiting.push(priority, Waiting(plan, index, now))
         return self._end(plan, "complete") if plan.complete else []
 
     def _admit(self, now: float) -> tuple[tuple[SequenceRequest, ...], tuple[float, ...]]:
         added: list[SequenceRequest] = []
         waited: list[float] = []
         while self._waiting and len(self._running) < self.batch_limit:
-            _, _, entry = heapq.heappop(self._waiting)
+            entry = self._waiting.pop()
             plan = entry.plan
             seq_id = next(self._seq_ids)
             added.append(
@@ -350,6 +324,9 @@ class SchedulingPolicy:
             del plan.live_seqs[result.seq_id]
         events = plan.on_audio(segment, result.audio, result.finished)
         if result.finished:
+            if plan.emit_index != segment and plan.emit_index not in plan.live_seqs.values():
+                # The listener now waits for a segment queued as look-ahead: it ranks as heard.
+                self._waiting.promote(plan, plan.emit_index)
             events += self._queue(plan, now)
         return events
 
@@ -390,8 +367,5 @@ class SchedulingPolicy:
         plan.live_seqs.clear()
         plan.held.clear()
         self._plans.pop(plan.stream_id, None)
-        before = len(self._waiting)
-        self._waiting = [item for item in self._waiting if item[2].plan is not plan]
-        if len(self._waiting) != before:
-            heapq.heapify(self._waiting)
+        self._waiting.remove(plan)
         return [Ended(plan.stream_id, reason, message)]

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from server.audio.base import EncodedFrame
 from server.core.events import EndReason
 from server.engine_api import NATIVE_SAMPLE_RATE
-from server.errors import ResumeExpired, ServiceError
+from server.errors import InvalidRequest, ResumeExpired, ServiceError
+from server.streams.budget import ITEM_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +78,18 @@ class Outbox:
     audio not yet handed to the socket raises :class:`BufferOverflow`; and
     items beyond ``replay_max_s`` seconds of audio or ``replay_max_bytes``
     bytes are evicted oldest first, never one the attached sender has not
-    sent yet.
+    sent yet. Every change is also told to ``charge`` (the server's memory budget,
+    :mod:`server.streams.budget`); :meth:`release` gives it all back.
     """
 
     def __init__(
-        self, *, sample_rate: int, max_unsent_s: float, replay_max_s: float, replay_max_bytes: int
+        self,
+        *,
+        sample_rate: int,
+        max_unsent_s: float,
+        replay_max_s: float,
+        replay_max_bytes: int,
+        charge: Callable[[int], None] | None = None,
     ) -> None:
         self.sample_rate = sample_rate
         self._items: deque[OutItem] = deque()
@@ -102,6 +110,10 @@ class Outbox:
         self.attached = True
         self.sent_index = 0  # absolute index of the next item the attached sender sends
         self._sent_samples = 0
+        self._charge = charge
+        #: Bytes charged to the memory budget for the items held (payloads and their objects).
+        self.charged_bytes = 0
+        self._released = False
 
     # --- producing -----------------------------------------------------------
 
@@ -136,6 +148,8 @@ class Outbox:
         Raises:
             BufferOverflow: attached, and more than ``max_unsent_s`` waits to be sent.
         """
+        if self._released:
+            return
         self._native_in += native_samples
         self._add_frames(frames, last=False)
         self._evict()
@@ -146,7 +160,7 @@ class Outbox:
         self, reason: EndReason, final_frames: list[EncodedFrame], error: ServiceError | None = None
     ) -> None:
         """Add the encoder's last frames, mark the last one and queue ``Failure``/``Done``."""
-        if self.ended:
+        if self.ended or self._released:
             return
         self._add_frames(final_frames, last=True)
         self.done_reason = reason
@@ -179,6 +193,20 @@ class Outbox:
         if isinstance(item, Frame):
             self._held_bytes += len(item.payload)
             self._held_samples += item.samples
+        self._count(_cost(item))
+        self.changed.set()
+
+    def _count(self, delta: int) -> None:
+        self.charged_bytes += delta
+        if self._charge is not None:
+            self._charge(delta)
+
+    def release(self) -> None:
+        """The stream was freed: drop every item and give their bytes back to the budget."""
+        self._released = True
+        self._items.clear()
+        self._held_bytes = self._held_samples = 0
+        self._count(-self.charged_bytes)
         self.changed.set()
 
     def _evict(self) -> None:
@@ -194,6 +222,7 @@ class Outbox:
     def _pop_front(self) -> None:
         item = self._items.popleft()
         self._base += 1
+        self._count(-_cost(item))
         samples = 0
         if isinstance(item, Frame):
             samples = item.samples
@@ -260,8 +289,21 @@ class Outbox:
         self.sent_index = index
         self._evict()
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the newest frame numbered so far (-1 before the first)."""
+        return self._next_seq - 1
+
     def check_resumable(self, after_seq: int) -> None:
-        """Raise ResumeExpired when an item after ``after_seq`` was already evicted."""
+        """Raise ResumeExpired when an item after ``after_seq`` was already evicted.
+
+        Raises:
+            InvalidRequest: ``after_seq`` is past the newest frame: the client cannot have it
+                (a resume from there would wait for frames it claims to hold, or for nothing).
+        """
+        if after_seq > self.last_seq:
+            newest = f"seq {self.last_seq}" if self.last_seq >= 0 else "none yet"
+            raise InvalidRequest(f"after_seq {after_seq} is past the stream's newest frame ({newest})")
         if after_seq < self._evicted_position:
             raise ResumeExpired(
                 f"frames after seq {after_seq} are no longer held "
@@ -288,3 +330,12 @@ class Outbox:
         )
         self.sent_index = index
         return index
+
+
+def _cost(item: OutItem) -> int:
+    """What holding ``item`` costs the memory budget."""
+    if isinstance(item, Frame):
+        return ITEM_OVERHEAD_BYTES + len(item.payload)
+    if isinstance(item, SegmentMark):
+        return ITEM_OVERHEAD_BYTES + len(item.text)
+    return ITEM_OVERHEAD_BYTES

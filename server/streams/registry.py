@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from server.streams.budget import MemoryBudget
 from server.streams.stream import Stream, StreamState
 
 
@@ -48,6 +49,15 @@ class StreamRegistry:
         return [
             s for s in self._streams.values() if (since := s.idle_since()) is not None and since <= deadline
         ]
+
+    def budget_victim(self, budget: MemoryBudget) -> Stream | None:
+        """The stream to free next for the memory budget (see ``SpeechService.free_over_budget``)."""
+        streams = self._streams.values()  # oldest first
+        delivered = next((s for s in streams if s.state is StreamState.DELIVERED), None)
+        if delivered is not None:
+            return delivered
+        client = budget.biggest_client()
+        return max((s for s in streams if s.client == client), key=lambda s: s.buffered_bytes, default=None)
 
     def over_budget(self, max_bytes: int) -> list[Stream]:
         """Delivered streams to drop, oldest first, so that all replay buffers fit ``max_bytes``."""

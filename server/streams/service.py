@@ -24,6 +24,7 @@ from server.core.client import EngineClient, GenerateRequest, Generation
 from server.engine_api import SynthesisParams
 from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
 from server.metrics import Metrics
+from server.streams.budget import MemoryBudget
 from server.streams.cache import ResponseCache, cache_key
 from server.streams.incremental import TextFeed
 from server.streams.limits import ClientLimiter
@@ -34,10 +35,19 @@ from server.streams.stream import Lease, Stream, StreamState, new_stream_token, 
 from server.text.segments import TextBuffer, has_speakable, split_segments
 from server.text.tags import problem as tag_problem
 from server.text.tags import refine_prompt_problem
-from server.voices.library import VoiceLibrary
+from server.voices.library import StoredVoice, VoiceLibrary
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _Who:
+    """Whose stream is being opened: the client, its share of the memory budget, its voice."""
+
+    client: str
+    charge: Callable[[int], None]
+    voice: StoredVoice | None
 
 
 class SpeechService:
@@ -56,6 +66,8 @@ class SpeechService:
         self.metrics = metrics
         self._clock = clock
         self.registry = StreamRegistry(ttl_s=settings.resume_ttl_s, clock=clock)
+        #: Everything buffered for clients; past ``--memory-budget-bytes`` streams are freed.
+        self.budget = MemoryBudget(settings.memory_budget_bytes, self.free_over_budget)
         #: SIGTERM was received: new streams are refused with ``Draining``.
         self.draining = False
         # Opus/Ogg encoding runs here so the event loop never waits for libopus.
@@ -70,9 +82,9 @@ class SpeechService:
         #: Voices made from recordings (``POST /v1/audio/voices``), by id.
         self.voices = VoiceLibrary(settings, engine)
 
-    def voice_names(self) -> tuple[str, ...]:
-        """Every voice name a stream may use: the engine's, then those made from recordings."""
-        return (*self.engine.info.voices, *(v.id for v in self.voices.all()))
+    def voice_names(self, owner: str | None = None) -> tuple[str, ...]:
+        """Every voice name ``owner`` may use: the engine's, then those made from recordings it sees."""
+        return (*self.engine.info.voices, *(v.id for v in self.voices.all(owner)))
 
     # --- admission -------------------------------------------------------------------------
 
@@ -88,39 +100,59 @@ class SpeechService:
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
 
     def admit(self, client: str) -> None:
-        """Refuse while draining, then rate-limit ``client`` (a draining server takes no token)."""
+        """Refuse while draining, then rate-limit ``client`` (a draining server takes no token).
+
+        For work other than streams (voice uploads); :meth:`open` with ``client`` rate-limits
+        a stream itself, spending the token only once the stream exists.
+        """
         self.check_accepting()
         self.check_rate(client)
 
     # --- opening -------------------------------------------------------------------------------
 
     def open(
-        self, request: SpeechRequest, lease: Lease, *, route: str | None = None, resumable: bool = True
+        self,
+        request: SpeechRequest,
+        lease: Lease,
+        *,
+        route: str | None = None,
+        resumable: bool = True,
+        client: str | None = None,
+        owner: str | None = None,
     ) -> Stream:
         """Validate ``request``, start generating it (or answer it from the cache), register it.
 
         ``lease`` is the front end that sends the stream; ``route`` goes into the token.
+        ``client`` (its rate-limit identity) is rate-limited: a token is spent only when the
+        stream is opened, so a refused request costs none. ``owner`` (the client's tenant;
+        None: no tenants) owns the stream: only it may resume it, and it speaks only the
+        voices ``owner`` sees.
 
         Raises:
-            ServiceError: ``Draining``, ``InvalidRequest``, ``TextTooLong``, ``Unsupported``,
-                ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
+            ServiceError: ``Draining``, ``RateLimited``, ``InvalidRequest``, ``TextTooLong``,
+                ``Unsupported``, ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
         """
         self.check_accepting()
-        encoder = self._encoder_for(request)
+        if client is not None and (wait_ms := self.limiter.wait_ms(client)):
+            raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
+        stored = self.voices.get(request.voice, owner)
+        encoder = self._encoder_for(request, stored)
         s = self.settings
+        who = _Who(client or "", self.budget.charger(client or ""), stored)
         outbox = Outbox(
             sample_rate=encoder.sample_rate,
             max_unsent_s=s.max_buffered_s,
             replay_max_s=s.replay_max_s,
             replay_max_bytes=s.replay_max_bytes,
+            charge=who.charge,
         )
         generation: Generation | None
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
         if request.incremental:
-            generation, text_feed = self._start_incremental(request)
+            generation, text_feed = self._start_incremental(request, who)
         else:
-            generation, on_complete = self._start_whole(request, outbox)
+            generation, on_complete = self._start_whole(request, outbox, who)
         stream = Stream(
             name=request.name,
             token=new_stream_token(route),
@@ -136,21 +168,24 @@ class SpeechService:
             on_complete=on_complete,
             on_freed=self.registry.remove,
             clock=self._clock,
+            owner=owner,
+            client=who.client,
         )
         self.registry.add(stream)
+        if client is not None:
+            self.limiter.take(client)
         if generation is not None:
             self._own(asyncio.create_task(stream.run(), name=f"stream-{redact(stream.token)}"))
         return stream
 
     def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox
+        self, request: SpeechRequest, outbox: Outbox, who: _Who
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
         """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
         segments = self._segments(request)
         cache, key = self.cache, None
         if cache is not None:
-            stored = self.voices.get(request.voice)
-            digest = stored.sample.digest if stored is not None else ""
+            digest = who.voice.sample.digest if who.voice is not None else ""
             key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
         on_complete = None
         if cache is not None and key is not None:
@@ -161,10 +196,13 @@ class SpeechService:
                 return None, None
             self.metrics.cache_misses.inc()
             on_complete = self._storer(cache, key)
-        generation = self.engine.generate(GenerateRequest(segments=segments, params=self._params(request)))
+        params = self._params(request, who.voice)
+        generation = self.engine.generate(
+            GenerateRequest(segments=segments, params=params, client=who.client, on_queued=who.charge)
+        )
         return generation, on_complete
 
-    def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
+    def _encoder_for(self, request: SpeechRequest, stored: StoredVoice | None) -> FrameEncoder:
         """The stream's encoder; checks text size, control tags, format, rate and voice first."""
         limit = self.settings.max_text_chars
         if request.text is None and not request.incremental:
@@ -186,7 +224,7 @@ class SpeechService:
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise Unsupported(str(exc)) from None
-        if self.voices.get(request.voice) is None and not self.engine.validate_voice(request.voice):
+        if stored is None and not self.engine.validate_voice(request.voice):
             raise Unsupported(f"unknown voice {request.voice!r}")
         if request.refine and not self.engine.info.refine:
             raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")
@@ -194,9 +232,9 @@ class SpeechService:
             raise InvalidRequest(problem)
         return encoder
 
-    def _params(self, request: SpeechRequest) -> SynthesisParams:
+    @staticmethod
+    def _params(request: SpeechRequest, stored: StoredVoice | None) -> SynthesisParams:
         """The request's synthesis parameters; a voice from a recording travels with them."""
-        stored = self.voices.get(request.voice)
         if stored is None:
             return request.params
         return dataclasses.replace(request.params, reference=stored.sample)
@@ -212,13 +250,16 @@ class SpeechService:
             )
         return segments
 
-    def _start_incremental(self, request: SpeechRequest) -> tuple[Generation, TextFeed]:
+    def _start_incremental(self, request: SpeechRequest, who: _Who) -> tuple[Generation, TextFeed]:
         s = self.settings
         text = request.text or ""
         buffer = TextBuffer(max_chars=s.segment_max_chars)
         first = tuple(buffer.append(text))
+        params = self._params(request, who.voice)
         generation = self.engine.generate(
-            GenerateRequest(segments=first, params=self._params(request), incremental=True)
+            GenerateRequest(
+                segments=first, params=params, incremental=True, client=who.client, on_queued=who.charge
+            )
         )
         delay_ms = (
             s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
@@ -250,14 +291,15 @@ class SpeechService:
 
     # --- resuming, sending, freeing -------------------------------------------------------------------
 
-    def find(self, token: str) -> Stream:
-        """The stream behind a resume token.
+    def find(self, token: str, owner: str | None = None) -> Stream:
+        """The stream behind a resume token, if ``owner`` owns it.
 
         Raises:
-            UnknownStream: no stream with this token is held here.
+            UnknownStream: no stream with this token is held here for ``owner`` (another
+                tenant's stream is answered as one that does not exist).
         """
         stream = self.registry.get(token)
-        if stream is None or not stream.resumable:
+        if stream is None or not stream.resumable or stream.owner != owner:
             raise UnknownStream("no stream with this token is held here")
         return stream
 
@@ -298,6 +340,33 @@ class SpeechService:
                 stream.close()
         for stream in self.registry.over_budget(self.settings.replay_total_bytes):
             stream.close()
+        self.metrics.buffered_bytes.set(self.budget.total)
+
+    def free_over_budget(self) -> None:
+        """Past ``--memory-budget-bytes``: free streams until what is buffered fits again.
+
+        Delivered streams (kept only for a late resume) go first, oldest first; then the
+        streams of the client that holds the most, its biggest first. A freed stream's
+        connection, if it has one, is aborted (its client was not reading fast enough: the
+        same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
+        """
+        before, freed, clients = self.budget.total, 0, set()
+        while self.budget.over and (victim := self.registry.budget_victim(self.budget)) is not None:
+            if victim.lease is not None:
+                victim.lease.abort("over the server's memory budget: the client holds the most unsent audio")
+            clients.add(victim.client)
+            victim.close("budget")
+            freed += 1
+        # One line per pass, not per stream: a client that keeps meeting the budget cannot flood the log.
+        log.warning(
+            "memory budget (--memory-budget-bytes %d) passed: freed %d streams of %s, %d → %d bytes",
+            self.budget.limit,
+            freed,
+            ", ".join(sorted(clients)) or "no client",
+            before,
+            self.budget.total,
+        )
+        self.metrics.buffered_bytes.set(self.budget.total)
 
     async def stop(self) -> None:
         """Free every stream, stop the sweeper and the streams' tasks, stop the encoder threads."""

@@ -106,9 +106,15 @@ class Stream:
         on_complete: Callable[[Stream], None] | None = None,
         on_freed: Callable[[Stream], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
+        client: str = "",
     ) -> None:
         self.name = name  # the client's id for the stream
         self.token = token
+        #: The tenant that made it (None: no tenants); only it may resume the stream.
+        self.owner = owner
+        #: Who started it (its rate-limit identity): whose share of the memory budget it uses.
+        self.client = client
         self.encoder = encoder
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).
@@ -150,6 +156,12 @@ class Stream:
     def idle_since(self) -> float | None:
         """When it lost its sender (detached or delivered); None while attached or gone."""
         return self._detached_at if self._state in (StreamState.DETACHED, StreamState.DELIVERED) else None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """What it holds for its client now: its outbox and the audio not yet encoded."""
+        backlog = self._generation.queued_bytes if self._generation is not None else 0
+        return self.outbox.charged_bytes + backlog
 
     @property
     def busy(self) -> bool:
@@ -214,7 +226,12 @@ class Stream:
         self._state = state
         self._detached_at = None
         self.outbox.attached = False
-        self.cancel()  # no one will read what it would generate
+        # No one will read what it holds or would generate: stop it and give the memory back.
+        if self._generation is not None:
+            self._generation.discard()
+        if self.text is not None:
+            self.text.close()
+        self.outbox.release()
         if self._on_freed is not None:
             self._on_freed(self)  # the registry forgets it
 

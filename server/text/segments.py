@@ -121,8 +121,10 @@ def has_speakable(text: str) -> bool:
     (:func:`server.text.normalize.speakable`: digits of any script become words, accented Latin
     letters are folded to A-Z) and that normalizer counts; blanks, punctuation, emoji and other
     scripts do not (``tests/model/test_text_pipeline.py`` holds this equal to the real pipeline).
+    Control tags are not words: a segment of tags alone (``[laugh][laugh]``) would give the model
+    a wordless prompt, and it babbles over one.
     """
-    return any(_model_speaks(ch) for ch in text)
+    return any(_model_speaks(ch) for ch in tags.TAG.sub("", text))
 
 
 def _model_speaks(ch: str) -> bool:

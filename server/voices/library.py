@@ -75,6 +75,7 @@ class StoredVoice:
         seconds: the recording's length.
         encoder: what made the codes (``EngineInfo.voice_encoder``).
         sample: the codes and transcript every stream in this voice carries.
+        owner: the tenant that made it (API keys); None: made without keys, everyone's.
     """
 
     id: str
@@ -83,6 +84,11 @@ class StoredVoice:
     seconds: float
     encoder: str
     sample: VoiceSample
+    owner: str | None = None
+
+    def visible_to(self, owner: str | None) -> bool:
+        """Whether ``owner`` (None: no tenants, one user) may list, speak and delete it."""
+        return self.owner is None or owner is None or self.owner == owner
 
     def describe(self) -> dict[str, Any]:
         """The voice as the HTTP API shows it (OpenAI's ``audio.voice`` object plus ours)."""
@@ -106,6 +112,7 @@ class StoredVoice:
             "created_at": self.created_at,
             "seconds": self.seconds,
             "encoder": self.encoder,
+            "owner": self.owner,
             "transcript": self.sample.transcript,
             "codes": {"shape": list(codes.shape), "data": base64.b64encode(codes.tobytes()).decode()},
         }
@@ -126,6 +133,7 @@ class StoredVoice:
             seconds=float(data["seconds"]),
             encoder=str(data["encoder"]),
             sample=VoiceSample(codes=codes, transcript=str(data["transcript"])),
+            owner=None if data.get("owner") is None else str(data["owner"]),
         )
 
 
@@ -271,16 +279,19 @@ class VoiceLibrary:
         if voices:
             log.info("%d voices from recordings loaded from %s", len(voices), self.store.folder)
 
-    def get(self, voice_id: str) -> StoredVoice | None:
-        """The voice named ``voice_id``, or ``None``."""
-        return self._voices.get(voice_id)
+    def get(self, voice_id: str, owner: str | None = None) -> StoredVoice | None:
+        """The voice named ``voice_id`` if ``owner`` sees it (another tenant's is none), or ``None``."""
+        voice = self._voices.get(voice_id)
+        return voice if voice is not None and voice.visible_to(owner) else None
 
-    def all(self) -> list[StoredVoice]:
-        """Every voice, oldest first."""
-        return list(self._voices.values())
+    def all(self, owner: str | None = None) -> list[StoredVoice]:
+        """Every voice ``owner`` sees (None: every voice), oldest first."""
+        return [voice for voice in self._voices.values() if voice.visible_to(owner)]
 
-    async def create(self, data: bytes, transcript: str, name: str = "") -> StoredVoice:
-        """A new voice from an uploaded recording and its transcript.
+    async def create(
+        self, data: bytes, transcript: str, name: str = "", owner: str | None = None
+    ) -> StoredVoice:
+        """A new voice from an uploaded recording and its transcript, owned by ``owner``.
 
         Raises:
             InvalidRequest: the recording or transcript cannot make a voice (the message says why).
@@ -299,11 +310,11 @@ class VoiceLibrary:
             raise Overloaded("other recordings are being processed; retry shortly", retry_after_ms=1000)
         self._uploads += 1
         try:
-            return await self._create(data, transcript, name)
+            return await self._create(data, transcript, name, owner)
         finally:
             self._uploads -= 1
 
-    async def _create(self, data: bytes, transcript: str, name: str) -> StoredVoice:
+    async def _create(self, data: bytes, transcript: str, name: str, owner: str | None) -> StoredVoice:
         assert self._encoder is not None
         try:
             audio = await asyncio.to_thread(decode_recording, data, max_seconds=self.max_seconds)
@@ -317,6 +328,7 @@ class VoiceLibrary:
             seconds=len(audio) / REFERENCE_RATE,
             encoder=self._encoder,
             sample=VoiceSample(codes=codes, transcript=transcript),
+            owner=owner,
         )
         async with self._lock:
             try:
@@ -343,15 +355,15 @@ class VoiceLibrary:
             raise InvalidRequest("transcript has nothing to speak")
         return text
 
-    async def delete(self, voice_id: str) -> StoredVoice:
-        """Delete a voice; streams already speaking with it go on (they carry it).
+    async def delete(self, voice_id: str, owner: str | None = None) -> StoredVoice:
+        """Delete a voice ``owner`` sees; streams already speaking with it go on (they carry it).
 
         Raises:
-            NotFound: no such voice here.
+            NotFound: no such voice here (or only another tenant's).
             StorageFailed: its file could not be removed (the voice stays).
         """
         async with self._lock:
-            voice = self._voices.get(voice_id)
+            voice = self.get(voice_id, owner)
             if voice is None:
                 raise NotFound(f"no voice {voice_id!r} here")
             try:

@@ -231,3 +231,34 @@ async def test_opus_started_announces_preskip_and_resume_on_the_same_connection(
     assert set(seqs) == set(range(max(seqs) + 1))  # everything, duplicates allowed before the resume
     assert log.done is not None and log.done["last_seq"] == max(seqs)
     await ws.close()
+
+
+@pytest.mark.parametrize("generated", [True, False], ids=["finished", "generating"])
+async def test_resume_past_the_streams_end_is_refused(make_app: Any, generated: bool) -> None:
+    """Issue #25, finding 6: an ``after_seq`` the stream never reached answers an error, not silence.
+
+    The refusal changes nothing: the same token then resumes from a real seq and the stream
+    completes with every frame.
+    """
+    app = await make_app("--fake-step-ms", "3" if generated else "80", "--resume-ttl-s", "30")
+    expected = await unbroken(app.port, "pcm16", 4) if generated else None
+    got: dict[int, bytes] = {}
+    ws, _ = await open_client(app.port)
+    await start(ws, id="s", text=TEXT * (1 if generated else 6), seed=4)
+    token = await read_until_cut(ws, got, 2)
+    assert token is not None
+    past = [2**20, 2**32 - 1]
+    if expected is not None:
+        await generation_ended(app, token)
+        past.insert(0, json.loads(expected[-1])["last_seq"] + 1)  # one past the last frame
+    ws2, _ = await open_client(app.port)
+    for after_seq in past:
+        await ws2.send(json.dumps({"type": "resume", "stream": token, "after_seq": after_seq}))
+        err = await recv_json(ws2)
+        assert err["type"] == "error" and err["code"] == "bad_request", err
+        assert err["stream"] == token and err["id"] == "s" and "past" in err["message"]
+    await ws2.send(json.dumps({"type": "resume", "stream": token, "after_seq": contiguous_last(got)}))
+    await read_until_cut(ws2, got, None)
+    assert -1 in got and set(got) == set(range(-1, json.loads(got[-1])["last_seq"] + 1))
+    if expected is not None:
+        assert got == expected

@@ -11,6 +11,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 
 from server.app import App
+from server.text.tags import TAG as TAG_RE
 from tests.wsclient import collect, open_client, recv_json, start
 
 DEADLINE_S = 30
@@ -98,3 +99,40 @@ async def test_openai_endpoint_refuses_an_unknown_tag(app: App) -> None:
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert error["code"] == "bad_request" and "[whisper]" in error["message"]
+
+
+@pytest.mark.parametrize("text", ["[laugh][laugh]", "[uv_break] [laugh]。[lbreak]", "[break_3]，[oral_2]…"])
+async def test_text_of_only_control_tags_is_refused(app: App, text: str) -> None:
+    """Issue #25, finding 12: a wordless segment makes the model babble: tags alone are nothing to speak."""
+    async with asyncio.timeout(DEADLINE_S):
+        ws, _ = await open_client(app.port)
+        await start(ws, id="t", text=text)
+        err = await recv_json(ws)
+        assert err["type"] == "error" and err["code"] == "bad_request" and err["id"] == "t", err
+        assert "nothing to speak" in err["message"]
+        await assert_still_serves(ws, "ok")
+        await ws.close()
+        assert app.http.port is not None
+        body = {"model": "chattts", "input": text, "voice": "alloy", "response_format": "pcm"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"http://127.0.0.1:{app.http.port}/v1/audio/speech", json=body) as resp,
+        ):
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == "bad_request"
+
+
+async def test_an_incremental_piece_of_only_tags_never_reaches_the_model(app: App) -> None:
+    """A tag-only clause between sentences is skipped like punctuation, never given to the model alone."""
+    async with asyncio.timeout(DEADLINE_S):
+        ws, _ = await open_client(app.port)
+        await start(ws, id="inc", incremental=True, seed=3, max_buffer_delay_ms=5000)
+        assert (await recv_json(ws))["type"] == "started"
+        for piece in ("[laugh][laugh]", ", ", "[uv_break]", "\n", "Real words here.", "\n[lbreak]"):
+            await send(ws, type="append", id="inc", text=piece)
+        await send(ws, type="end", id="inc")
+        log = (await collect(ws, {"inc"}, slots={0: "inc"}))["inc"]
+        assert log.done is not None and log.done["reason"] == "complete", log.errors
+        spoken = [s["text"] for s in log.segments]
+        assert spoken and all(any(c.isalpha() for c in TAG_RE.sub("", s)) for s in spoken), spoken
+        await ws.close()

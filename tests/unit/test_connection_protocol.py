@@ -338,3 +338,45 @@ async def test_done_delivered_frees_the_slot_and_a_drain_closes(make_service: Ma
     service.draining = True
     assert conn.pump_ended(attachment) == [Close(1012, "server is restarting")]
     assert conn.attached == {}
+
+
+async def test_invalid_messages_past_their_rate_close_the_connection(make_service: MakeService) -> None:
+    service = await make_service("--invalid-messages-per-s", "3")
+    now = [0.0]
+    conn = ConnectionProtocol(
+        service,
+        server_info(service.settings, service.engine.info),
+        client="ip:1",
+        route=None,
+        abort=lambda reason: None,
+        metrics=service.metrics,
+        clock=lambda: now[0],
+    )
+    bad = [
+        {"type": "cancel", "id": "nobody"},
+        {"type": "start", "id": "x", "text": "hi", "format": "aac"},
+        {"type": "resume", "stream": "not-a-token"},
+    ]
+    for message in bad:  # three at once are allowed
+        actions = send(conn, **message)
+        assert not any(isinstance(a, Close) for a in actions) and error_of(actions)
+    actions = send(conn, type="cancel", id="nobody")
+    assert error_of(actions)["code"] == "bad_request"
+    assert actions[-1] == Close(1008, "too many invalid messages")
+    now[0] = 1.0  # a second later the bucket is full again: forgiven
+    fresh = connect(service)
+    for _ in range(3):
+        assert not any(isinstance(a, Close) for a in send(fresh, type="cancel", id="nobody"))
+    # The server's own refusals are not the client's fault and are never counted.
+    counted = ConnectionProtocol(
+        await make_service("--invalid-messages-per-s", "1", "--max-queue", "0"),
+        server_info(service.settings, service.engine.info),
+        client="ip:2",
+        route=None,
+        abort=lambda reason: None,
+        metrics=service.metrics,
+        clock=lambda: now[0],
+    )
+    for k in range(5):
+        actions = send(counted, type="start", id=f"s{k}", text="Hello there.")
+        assert error_of(actions)["code"] == "overloaded" and not any(isinstance(a, Close) for a in actions)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from server.core.admission import refusal, retry_after_ms
 from server.core.events import Audio, BreakerChanged, CoreEvent, Ended, SegmentStarted
 from server.core.policy import (
     BREAKER_MESSAGE,
@@ -21,8 +22,6 @@ from server.core.policy import (
     SchedulingPolicy,
     StepFailed,
     Stepped,
-    refusal,
-    retry_after_ms,
 )
 from server.engine_api import StepResult, SynthesisParams
 
@@ -70,6 +69,20 @@ def test_a_streams_first_segment_ranks_before_another_streams_look_ahead() -> No
     batch = policy.schedule(LATER)
     assert [r.text for r in batch.add] == ["greedy 0.", "the other stream."]
     assert batch.step == tuple(r.seq_id for r in batch.add)
+
+
+def test_a_look_ahead_segment_ranks_as_heard_once_its_listener_waits_for_it() -> None:
+    policy = make_policy(max_batch=2, lookahead=1)
+    add(policy, 0, ["a0.", "a1.", "a2."])
+    add(policy, 1, ["b0 runs long.", "b1."])
+    batch = policy.schedule(LATER)
+    assert [r.text for r in batch.add] == ["a0.", "b0 runs long."]
+    a0 = next(r.seq_id for r in batch.add if r.text == "a0.")
+    run_step(policy, batch, finished=[a0])  # a1 (queued as look-ahead) is now what A's listener waits for
+    add(policy, 2, ["c0.", "c1."])
+    batch = policy.schedule(LATER)
+    assert [r.text for r in batch.add] == ["a1."]  # before the newcomer's first segment and b1
+    assert policy.admission().by_client == {"": 1}  # c0 is the one heard segment still waiting
 
 
 def test_a_stream_queues_at_most_one_plus_lookahead_unfinished_segments() -> None:
@@ -131,6 +144,58 @@ def test_a_full_queue_refuses_with_a_retry_estimate() -> None:
     # 3 queued over a batch limit of 1: 4 batches ahead × 10 blocks × 0.06 s (moving average).
     assert refusal(policy.admission(), config, pending=0) == 2400
     assert refusal(policy.admission(), config, pending=0) == 4 * 10 * round(policy.seconds_per_block * 1000)
+
+
+# --- fairness between clients (issue #25) -------------------------------------------------------
+
+
+def add_for(policy: SchedulingPolicy, client: str, stream_id: int, text: str) -> None:
+    policy.add(stream_id, [text], PARAMS, input_closed=True, now=0.0, client=client)
+
+
+def test_clients_take_turns_in_the_queue() -> None:
+    policy = make_policy(max_batch=2)
+    for k in range(6):
+        add_for(policy, "greedy", k, f"greedy {k}.")
+    add_for(policy, "polite", 10, "polite.")
+    batch = policy.schedule(LATER)
+    assert [r.text for r in batch.add] == ["greedy 0.", "polite."]  # not "greedy 1."
+
+
+def test_a_newcomer_is_served_in_the_current_round_not_after_the_backlog() -> None:
+    policy = make_policy(max_batch=1)
+    for k in range(6):
+        add_for(policy, "greedy", k, f"greedy {k}.")
+    served = []
+    for _ in range(2):
+        batch = policy.schedule(LATER)
+        served += [r.text for r in batch.add]
+        run_step(policy, batch, finished=batch.step)
+    add_for(policy, "newcomer", 10, "newcomer.")
+    add_for(policy, "newcomer", 11, "newcomer again.")
+    for _ in range(4):
+        batch = policy.schedule(LATER)
+        served += [r.text for r in batch.add]
+        run_step(policy, batch, finished=batch.step)
+    assert served == ["greedy 0.", "greedy 1.", "newcomer.", "greedy 2.", "newcomer again.", "greedy 3."]
+    assert policy.admission().by_client == {"greedy": 2}
+
+
+def test_one_client_cannot_keep_the_others_out_of_a_full_queue() -> None:
+    config = PolicyConfig(max_batch=1, max_queue=4, max_wait_s=0.0)
+    policy = SchedulingPolicy(config)
+    for k in range(5):
+        add_for(policy, "greedy", k, f"greedy {k}.")
+    policy.schedule(LATER)  # one runs, four wait: the queue is full
+    admission = policy.admission()
+    assert admission.waiting == 4 and admission.by_client == {"greedy": 4}
+    assert refusal(admission, config, 0, client="greedy") is not None  # alone, refused at max_queue
+    assert refusal(admission, config, 0, client="polite") is None  # a newcomer is under its share
+    # Its share is max_queue / clients waiting (2 here); a submitted add counts as waiting.
+    assert refusal(admission, config, 1, client="polite", pending_by_client={"polite": 1}) is None
+    assert refusal(admission, config, 2, client="polite", pending_by_client={"polite": 2}) is not None
+    # Never more than twice max_queue in all, whoever asks.
+    assert refusal(admission, config, 4, client="third", pending_by_client={"other": 4}) is not None
 
 
 def test_the_retry_estimate_has_a_floor() -> None:

@@ -56,6 +56,9 @@ def test_has_speakable() -> None:
     assert has_speakable("Café") and has_speakable("١٢٣") and has_speakable("Привет, Bob.")
     for other_script in ("Привет мир.", "こんにちは。", "안녕하세요", "Γειά σου", "مرحبا", "😀🎉", "ⅷ"):
         assert not has_speakable(other_script), other_script
+    # Control tags are not words (issue #25): tags alone give the model nothing to say.
+    assert not has_speakable("[laugh][laugh]") and not has_speakable("[uv_break]，[break_3]。")
+    assert has_speakable("[laugh] ha") and has_speakable("[uv_break]你")
 
 
 @given(st.text(alphabet=st.sampled_from("ab 。.!,，你好\n"), max_size=400), st.integers(10, 80))

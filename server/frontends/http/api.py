@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler
 
 from server.config import Settings
 from server.errors import ServiceError
-from server.frontends.access import AccessDenied, AccessGate
+from server.frontends.access import AccessDenied, AccessGate, tenant_of
 from server.frontends.codes import code_of
 from server.frontends.common import (
     OPENAI_VOICES,
@@ -248,7 +248,7 @@ class HttpApi:
             {"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()
         ]
         data += [{"id": v, "voice": v} for v in self.info.voices]
-        data += [{**v.describe(), "voice": v.id} for v in self.service.voices.all()]
+        data += [{**v.describe(), "voice": v.id} for v in self.service.voices.all(tenant_of(request[CLIENT]))]
         return web.json_response(
             {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
         )
@@ -269,8 +269,10 @@ class HttpApi:
             except TimeoutError:
                 return timed_out(self.metrics, "body", self.settings.body_timeout_s)
             body, fmt = _parse(raw, self.settings.max_json_depth)
-            self.service.check_rate(request[CLIENT])
-            stream = self.service.open(_request_of(body, fmt), lease, resumable=False)
+            client = request[CLIENT]
+            stream = self.service.open(
+                _request_of(body, fmt), lease, resumable=False, client=client, owner=tenant_of(client)
+            )
         except BodyError as err:
             return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
         except ServiceError as exc:

@@ -22,6 +22,7 @@ from aiohttp import BodyPartReader, web
 
 from server.config import Settings
 from server.errors import InvalidRequest, ServiceError
+from server.frontends.access import tenant_of
 from server.frontends.http.common import CLIENT, counted_error, service_error, timed_out
 from server.metrics import Metrics
 from server.streams.service import SpeechService
@@ -85,7 +86,10 @@ class VoicesApi:
             if len(name := fields.get("name", "")) > MAX_NAME_CHARS:
                 message = f"name has {len(name)} characters; at most {MAX_NAME_CHARS}"
                 return counted_error(self.metrics, 400, "bad_request", message, param="name")
-            voice = await self.service.voices.create(audio, fields["transcript"], fields.get("name", ""))
+            owner = tenant_of(request[CLIENT])
+            voice = await self.service.voices.create(
+                audio, fields["transcript"], fields.get("name", ""), owner
+            )
         except _TooLarge:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
             return counted_error(self.metrics, 413, "bad_request", message, param="audio_sample")
@@ -108,7 +112,7 @@ class VoicesApi:
         voice_id = request.match_info["voice_id"]
         try:
             self.service.check_rate(request[CLIENT])
-            await self.service.voices.delete(voice_id)
+            await self.service.voices.delete(voice_id, tenant_of(request[CLIENT]))
         except ServiceError as exc:
             return service_error(exc, self.metrics)
         return web.json_response({"id": voice_id, "object": "audio.voice.deleted", "deleted": True})

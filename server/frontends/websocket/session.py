@@ -11,11 +11,14 @@ built in ``server.frontends.websocket.wire``. Tests drive it with plain strings,
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from server.audio import opus_preskip
 from server.errors import ServiceError, UnknownStream
+from server.frontends.access import tenant_of
 from server.frontends.common import ServerInfo
 from server.frontends.websocket import wire
 from server.frontends.websocket.wire import (
@@ -29,6 +32,7 @@ from server.frontends.websocket.wire import (
     Start,
 )
 from server.metrics import Metrics
+from server.streams.limits import TokenBucket
 from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
@@ -75,6 +79,14 @@ class Close:
 
 Action = Send | StartPump | StopPump | Close
 DRAIN_CLOSE = Close(1012, "server is restarting")
+#: Past ``--invalid-messages-per-s`` a connection is closed with the policy code.
+INVALID_CLOSE = Close(1008, "too many invalid messages")
+#: Refusals that are the message's fault, counted against ``--invalid-messages-per-s``; the
+#: others (``overloaded``, ``resume_expired``, ``shutting_down``, ``internal``) are the server's.
+INVALID_CODES: Final = frozenset(
+    {"bad_request", "text_too_long", "unsupported", "duplicate_id", "too_many_streams", "unknown_stream"}
+    | {"rate_limited"}  # a client that ignores retry_after_ms
+)
 
 
 class ConnectionProtocol:
@@ -98,18 +110,25 @@ class ConnectionProtocol:
         route: str | None,
         abort: Callable[[str], None],
         metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._service = service
         self._info = info
         self._client = client
+        #: The tenant this connection's key belongs to (None: no API keys, one user).
+        self._owner = tenant_of(client)
         self._route = route
         self._abort = abort
         self._metrics = metrics
+        self._clock = clock
         self._attached: dict[str, Attachment] = {}
+        rate = service.settings.invalid_messages_per_s
+        #: Invalid messages this connection may still send (refilled at ``rate`` per second).
+        self._invalid = TokenBucket(rate, rate, rate, clock()) if rate > 0 else None
 
     def hello(self) -> str:
         """The first message."""
-        return wire.hello(self._info, self._service.voice_names())
+        return wire.hello(self._info, self._service.voice_names(self._owner))
 
     @property
     def attached(self) -> dict[str, Attachment]:
@@ -129,7 +148,14 @@ class ConnectionProtocol:
             actions: list[Action] = [Send(wire.error(err))]
             if err.code == "shutting_down":
                 actions += self.close_if_idle()
+            elif err.code in INVALID_CODES and self._too_many_invalid():
+                self._metrics.errors.labels(code="too_many_invalid").inc()
+                actions.append(INVALID_CLOSE)
             return actions
+
+    def _too_many_invalid(self) -> bool:
+        """Count one invalid message; True once past ``--invalid-messages-per-s``."""
+        return self._invalid is not None and self._invalid.take(self._clock()) > 0
 
     def _dispatch(self, message: ClientMessage) -> list[Action]:
         if isinstance(message, Start):
@@ -163,9 +189,10 @@ class ConnectionProtocol:
         service = self._service
         lease = Lease(self._abort)
         try:
-            service.admit(self._client)
+            service.check_accepting()
             self._check_room(msg.id)
-            stream = service.open(wire.speech_request(msg), lease, route=self._route)
+            request = wire.speech_request(msg)
+            stream = service.open(request, lease, route=self._route, client=self._client, owner=self._owner)
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
@@ -183,7 +210,7 @@ class ConnectionProtocol:
     def _resume(self, msg: Resume) -> list[Action]:
         service = self._service
         try:
-            stream = service.find(msg.stream)
+            stream = service.find(msg.stream, self._owner)
             # Check everything before touching the stream's current attachment.
             stream.outbox.check_resumable(msg.after_seq)
         except ServiceError as exc:

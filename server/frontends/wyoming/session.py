@@ -204,7 +204,7 @@ class WyomingSession:
         if text_format is not None and str(getattr(text_format, "value", text_format)) != "text":
             raise Unsupported(f"text_format {text_format!r} is not supported; send plain text")
         service = self._service
-        service.admit(self._client)
+        service.check_accepting()
         request = SpeechRequest(
             name="wyoming",
             text="" if streaming else text,
@@ -215,7 +215,7 @@ class WyomingSession:
             incremental=streaming,
         )
         lease = Lease(self._abort)
-        self.stream = service.open(request, lease, resumable=False)
+        self.stream = service.open(request, lease, resumable=False, client=self._client)
         self.taking_text = streaming
         start = AudioStart(rate=RATE, width=WIDTH, channels=CHANNELS, timestamp=0).event()
         return [Write(start), Deliver(self.stream, lease)]
