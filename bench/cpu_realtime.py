@@ -4,7 +4,7 @@
 
     python -m server make-dev-model --size full /tmp/dev-full
     mkdir /tmp/before && git archive d178f8d | tar -x -C /tmp/before      # the code before #23
-    python -m bench.cpu_realtime --model-dir /tmp/dev-full --before /tmp/before \\
+    python -m bench.cpu_realtime --model-dir /tmp/dev-full --before /tmp/before --before-commit d178f8d \\
         --out bench/results/cpu_realtime
 
 1. **step** (:mod:`bench.cpu_step`, one child process): the memory floor, the GPT's 140
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, required=True, help="full-size dev model (make-dev-model)")
     p.add_argument("--make-model", action="store_true", help="write a full-size dev model there if missing")
     p.add_argument("--before", type=Path, help="a checkout of the code before #23 (omit: no 'before' server)")
+    p.add_argument("--before-commit", default="", help="the commit in --before if it is no git checkout")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     p.add_argument("--parts", default="step,servers,inprocess", help="which parts to run")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which servers to measure")
@@ -93,7 +94,7 @@ class Run:
             "skipped": [],
         }
         if args.before is not None:
-            self.result["commits"]["before"] = _commit(args.before)
+            self.result["commits"]["before"] = args.before_commit or _commit(args.before)
 
     def write(self) -> None:
         """JSON and markdown of everything so far."""
