@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="server rounds (order flipped each round)")
     p.add_argument("--step-rounds", type=int, default=3, help="rounds of the step part")
     p.add_argument("--step-length", type=int, default=256, help="attention length of the step part")
+    p.add_argument("--step-batches", default="1,4,8", help="batch sizes of the step part")
+    p.add_argument("--step-iterations", type=int, default=8, help="calls per timed run of the step part")
     p.add_argument("--compile", action="store_true", help="the step part also compiles transformers' Llama")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/cpu_realtime")
     return p
@@ -112,7 +114,7 @@ class Run:
         argv = [
             sys.executable, "-m", "bench.cpu_step", "--model-dir", str(a.model_dir),
             "--threads", str(a.threads), "--rounds", str(a.step_rounds), "--length", str(a.step_length),
-            "--out", str(out),
+            "--batches", a.step_batches, "--iterations", str(a.step_iterations), "--out", str(out),
         ]  # fmt: skip
         argv += ["--compile"] if a.compile else []
         print(f"[cpu_realtime] step: {shlex.join(argv)}", flush=True)
