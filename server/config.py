@@ -99,7 +99,9 @@ class Settings:
     )
     voice_upload_max_bytes: int = _opt(10 * 1024 * 1024, "largest recording upload (POST /v1/audio/voices)")
     cuda_graphs: str = _opt(
-        "on", "capture the token step as CUDA graphs in warm-up (CUDA devices only)", choices=("on", "off")
+        "on",
+        "capture the token step as CUDA graphs at start-up (CUDA only; a failed capture runs it eagerly)",
+        choices=("on", "off"),
     )
     quantize: str = _opt(
         "none",
