@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-model", action="store_true", help="write a full-size dev model there if missing")
     p.add_argument("--before", type=Path, help="a checkout of the code before #23 (omit: no 'before' server)")
     p.add_argument("--before-commit", default="", help="the commit in --before if it is no git checkout")
+    p.add_argument("--after-commit", default="", help="the commit of this tree if it is no git checkout")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     p.add_argument("--parts", default="step,servers,inprocess", help="which parts to run")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which servers to measure")
@@ -89,7 +90,7 @@ class Run:
             "command": shlex.join(["python", "-m", "bench.cpu_realtime", *argv]),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": describe_machine(),
-            "commits": {"after": _commit(REPO_ROOT)},
+            "commits": {"after": args.after_commit or _commit(REPO_ROOT)},
             "step": None,
             "systems": {},
             "scenarios": [],
