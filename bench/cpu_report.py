@@ -25,13 +25,14 @@ STEP_ROWS = (
 SPLIT_COLUMNS = ("projections", "attention", "kv_write", "llama_rest", "step_rest", "total")
 
 
-def _best(step: dict[str, Any], name: str, batch: int) -> float | None:
+def _best(step: dict[str, Any], name: str, batch: int, key: str = "best_ms") -> float | None:
     rows = step["rows"]
     if name == "floor":
-        values = [rows[k]["best_ms"] for k in (f"floor-plain@{batch}", f"floor-packed@{batch}") if k in rows]
+        values = [rows[k].get(key) for k in (f"floor-plain@{batch}", f"floor-packed@{batch}") if k in rows]
+        values = [v for v in values if v is not None]
         return min(values) if values else None
     entry = rows.get(f"{name}@{batch}")
-    return entry["best_ms"] if entry else None
+    return entry.get(key) if entry else None
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -63,6 +64,7 @@ def scenario_view(scenario: dict[str, Any]) -> dict[str, Any]:
         "long": len(long),
         "errors": s["error_streams"],
         "throughput": s["throughput"]["steady_audio_s_per_wall_s"],
+        "per_cpu": s["throughput"].get("audio_s_per_cpu_s"),
         "rtf_p50": s["rtf"]["p50"],
         "rtf_p90": s["rtf"]["p90"],
         "rtf_long_p50": pct(long, "rtf", 50),
@@ -95,9 +97,11 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if step:
         for batch in (1, 8):
             ours, hf = _best(step, "step-onednn-bf16", batch), _best(step, "transformers", batch)
+            cpu = [_best(step, n, batch, "best_cpu_ms") for n in ("step-onednn-bf16", "transformers")]
             met = None if ours is None or hf is None else ours <= hf
             what = f"our bf16 step ≤ transformers' at batch {batch}"
-            rows.append((what, f"{_f(ours)} ms vs {_f(hf)} ms", met))
+            numbers = f"{_f(ours)} ms vs {_f(hf)} ms (CPU time: {_f(cpu[0])} vs {_f(cpu[1])} ms)"
+            rows.append((what, numbers, met))
     v = views(result)
     servers = [name for name in ("after", "after-int8") if (name, 1) in v or (name, 8) in v]
     for name in servers:
@@ -167,16 +171,19 @@ def _step_tables(step: dict[str, Any]) -> list[str]:
     head = " | ".join(f"batch {b}" for b in batches)
     lines = [
         "",
-        f"## One token step, ms (fastest of {len(step['loadavg_after_rounds']) // len(batches)} interleaved "
-        f"rounds; attention over {step['length']} positions; {step['weights'] / 1e6:.0f} M weights)",
+        f"## One token step: wall ms (CPU ms of both threads), fastest of "
+        f"{len(step['loadavg_after_rounds']) // len(batches)} interleaved rounds; attention over "
+        f"{step['length']} positions; {step['weights'] / 1e6:.0f} M weights",
         "",
         f"| row | {head} |",
         "|---|" + "---|" * len(batches),
     ]
     for name, label in STEP_ROWS:
         values = [_best(step, name, b) for b in batches]
+        cpu = [_best(step, name, b, "best_cpu_ms") for b in batches]
         if any(v is not None for v in values):
-            lines.append(f"| {label} | " + " | ".join(_f(v) for v in values) + " |")
+            cells = " | ".join(f"{_f(v)} ({_f(c)})" for v, c in zip(values, cpu, strict=True))
+            lines.append(f"| {label} | {cells} |")
     budget = " | ".join(f"{REALTIME_MS_PER_TOKEN * b:.1f}" for b in batches)
     lines.append(f"| real time: {REALTIME_MS_PER_TOKEN:.1f} ms per token per stream | {budget} |")
     loads = ", ".join(_load_note(x) for x in step["loadavg_after_rounds"])
@@ -213,14 +220,16 @@ def _server_table(result: dict[str, Any]) -> list[str]:
         "",
         "## End to end: servers and in-process baselines (closed loops, pcm16)",
         "",
-        "| system | streams | streams ≥ 4 s | audio-s per wall-s | RTF p50 / p90 | RTF p50 / p90, ≥ 4 s "
+        "| system | streams | streams ≥ 4 s | audio-s per wall-s (per CPU-s) | RTF p50 / p90 "
+        "| RTF p50 / p90, ≥ 4 s "
         f"| underrun streams @{LISTENER_MS:g} ms (all, ≥ 4 s) | TTFA p50 / p90 (s) | errors | load after |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = ["before", "after", "after-int8", "chattts-infer", "engine-direct", "engine-direct-int8"]
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
-            f"| {system} c{c} | {x['streams']} | {x['long']} | {_f(x['throughput'], 2)} | "
+            f"| {system} c{c} | {x['streams']} | {x['long']} | "
+            f"{_f(x['throughput'], 2)} ({_f(x['per_cpu'], 2)}) | "
             f"{_f(x['rtf_p50'], 2)} / {_f(x['rtf_p90'], 2)} | {_f(x['rtf_long_p50'], 2)} / "
             f"{_f(x['rtf_long_p90'], 2)} | {x['underruns']}, {x['underruns_long']} | "
             f"{_f(x['ttfa_p50'], 3)} / {_f(x['ttfa_p90'], 3)} | {x['errors']} | {_load_note(x['load'])} |"

@@ -45,15 +45,21 @@ FORMS = ("dense", "onednn-bf16", "int8")
 SPLIT = ("projections", "attention", "kv_write", "llama_rest", "step_rest")
 
 
-def median_ms(fn: Callable[[], Any], iterations: int) -> float:
-    """Milliseconds per call: the median of 3 runs of ``iterations`` calls (after one warm call)."""
+def median_ms(fn: Callable[[], Any], iterations: int) -> tuple[float, float]:
+    """Wall and CPU milliseconds per call (CPU: this process, all threads), of the run with the median wall.
+
+    Three runs of ``iterations`` calls after one warm call. CPU time moves much less than wall
+    time when other jobs share the cores (a waiting thread uses none), so it shows a change
+    on a loaded machine where wall time alone would hide it.
+    """
     fn()
     runs = []
     for _ in range(3):
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         for _ in range(iterations):
             fn()
-        runs.append(1000 * (time.perf_counter() - began) / iterations)
+        wall = 1000 * (time.perf_counter() - began) / iterations
+        runs.append((wall, 1000 * (time.process_time() - cpu) / iterations))
     return sorted(runs)[1]
 
 
@@ -252,7 +258,7 @@ def main() -> int:
     transformers = Transformers(config, forms.modules["dense"], norms)
     length = min(args.length, engine.max_len)
     step, split = engine._batch.token_step, Split(engine)
-    rows: dict[str, dict[str, list[float]]] = {}
+    rows: dict[str, dict[str, list[float]]] = {}  # name@batch → wall and CPU ms of every round
     splits: dict[str, dict[str, dict[str, float]]] = {}
     loads: list[float] = []
     compiled: dict[str, Any] = {}
@@ -282,9 +288,10 @@ def main() -> int:
                 for form in FORMS if r % 2 == 0 else FORMS[::-1]:
                     forms.use(form)
                     key = f"step-{form}@{batch}"
-                    rows.setdefault(key, {"ms": []})["ms"].append(
-                        median_ms(lambda b=batch: step(b, length), args.iterations)
-                    )
+                    wall, cpu = median_ms(lambda b=batch: step(b, length), args.iterations)
+                    entry = rows.setdefault(key, {"ms": [], "cpu_ms": []})
+                    entry["ms"].append(wall)
+                    entry["cpu_ms"].append(cpu)
                     measured = split.measure(layers, batch, length, args.iterations)
                     if key not in splits or measured["total"] < splits[key]["total"]:
                         splits[key] = measured
@@ -300,7 +307,7 @@ def main() -> int:
         "length": length,
         "batches": batches,
         "threads": args.threads,
-        "rows": {k: {"ms": v["ms"], "best_ms": min(v["ms"])} for k, v in rows.items()},
+        "rows": {k: {**v, "best_ms": min(v["ms"]), "best_cpu_ms": min(v["cpu_ms"])} for k, v in rows.items()},
         "splits": splits,
         "profiles": profiles,
         "loadavg_after_rounds": loads,

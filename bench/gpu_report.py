@@ -110,7 +110,8 @@ def render(results: dict[str, Any]) -> str:
             )
         extra = step["extra"]
         lines.append(
-            f"\nWarm-up (graph capture included): {step.get('warmup_s', 0):.1f} s; KV cache "
+            f"\nLoad (graph capture included): {step.get('load_s', 0):.1f} s, warm-up "
+            f"{step.get('warmup_s', 0):.1f} s; KV cache "
             f"{int(extra['kv_cache_bytes']) / 2**30:.2f} GiB for {extra['kv_slots']} slots; token step "
             f"{extra.get('token_step')}, projections {extra.get('projections')}."
         )
