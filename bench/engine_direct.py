@@ -50,6 +50,7 @@ def main() -> int:
     parser.add_argument("--block-schedule", default="8,16,32")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8)")
     parser.add_argument("--segment-max-chars", type=int, default=120)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -64,7 +65,9 @@ def main() -> int:
         device=args.device,
         dtype=args.dtype,
         num_threads=args.threads or None,
-        options=EngineOptions(block_schedule=tuple(int(b) for b in args.block_schedule.split(","))),
+        options=EngineOptions(
+            block_schedule=tuple(int(b) for b in args.block_schedule.split(",")), quantize=args.quantize
+        ),
     )
     engine.warmup()
     load_s = time.perf_counter() - began
@@ -131,6 +134,7 @@ def main() -> int:
         "dtype": engine.info.extra.get("dtype"),
         "device": engine.info.extra.get("device"),
         "block_schedule": args.block_schedule,
+        "quantize": args.quantize,
         "max_tokens": max_tokens,
         "random_weights": engine.random_weights,
     }

@@ -108,10 +108,15 @@ def render(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['batch']} | {r['eager_ms']:.2f} | {f'{g:.2f}' if g else '—'} | {speed} | {per_row} |"
             )
+        extra = step["extra"]
         lines.append(
-            f"\nWarm-up (graph capture included): {step.get('warmup_s', 0):.1f} s; KV cache "
-            f"{int(step['extra']['kv_cache_bytes']) / 2**30:.2f} GiB for {step['extra']['kv_slots']} slots."
+            f"\nLoad (graph capture included): {step.get('load_s', 0):.1f} s, warm-up "
+            f"{step.get('warmup_s', 0):.1f} s; KV cache "
+            f"{int(extra['kv_cache_bytes']) / 2**30:.2f} GiB for {extra['kv_slots']} slots; token step "
+            f"{extra.get('token_step')}, projections {extra.get('projections')}."
         )
+        if "token_step_fallback" in extra:
+            lines.append(f"\n**The token step fell back to eager:** {extra['token_step_fallback']}")
     probes = stages.get("search", {}).get("probes") or stages.get("ttfa", {}).get("scenarios") or []
     if probes:
         listener = results["settings"].get("listener_ms")

@@ -384,6 +384,10 @@ class App:
             self.metrics.connections.set(len(self.connections))
 
 
+#: The engine facts ``hello.compute`` carries (the rest of ``EngineInfo.extra`` is only in /metrics).
+COMPUTE_FACTS = ("dtype", "quantize", "token_step", "token_step_fallback")
+
+
 def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
     """What the server advertises, once the engine is loaded."""
     return ServerInfo(
@@ -396,4 +400,5 @@ def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
         resume_ttl_s=settings.resume_ttl_s,
         max_json_depth=settings.max_json_depth,
         weights=engine.extra.get("weights"),
+        compute={k: engine.extra[k] for k in COMPUTE_FACTS if k in engine.extra},
     )

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.chattts.options import EngineOptions
+from server.engine.chattts.options import QUANTIZE_CHOICES, EngineOptions
 
 ENV_PREFIX = "CHATTTS_"
 #: The server's version (``hello.server``, the Wyoming ``info``).
@@ -99,7 +99,15 @@ class Settings:
     )
     voice_upload_max_bytes: int = _opt(10 * 1024 * 1024, "largest recording upload (POST /v1/audio/voices)")
     cuda_graphs: str = _opt(
-        "on", "capture the token step as CUDA graphs in warm-up (CUDA devices only)", choices=("on", "off")
+        "on",
+        "capture the token step as CUDA graphs at start-up (CUDA only; a failed capture runs it eagerly)",
+        choices=("on", "off"),
+    )
+    quantize: str = _opt(
+        "none",
+        "int8: the GPT's projections as weight-only int8 (faster single streams on a CPU, other tokens "
+        "than without it; reported in hello and /metrics); none: as --dtype loads them",
+        choices=QUANTIZE_CHOICES,
     )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
@@ -286,6 +294,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         max_batch=settings.max_batch,
         segment_max_tokens=settings.segment_max_tokens,
         cuda_graphs=settings.cuda_graphs == "on",
+        quantize=settings.quantize,
         refine_max_tokens=settings.refine_max_tokens,
         voice_max_seconds=settings.voice_max_seconds,
         voice_transcript_tokens=transcript_limit(settings.voice_max_seconds),

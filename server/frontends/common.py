@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Final
 
 import msgspec
@@ -73,6 +73,9 @@ class ServerInfo:
     #: Which weights the engine speaks with: ``official``, ``unverified`` or ``random``
     #: (``None``: an engine without weights, such as the test engine).
     weights: str | None = None
+    #: How the engine computes (``dtype``, ``quantize``, ``token_step``, and
+    #: ``token_step_fallback`` when the chosen step failed at warm-up); empty for the test engine.
+    compute: Mapping[str, str] = field(default_factory=dict)
 
 
 # Without an explicit bound a request could ask for absurd sampling values.

@@ -7,13 +7,11 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
 * per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
   into the sequence's own KV slot (:mod:`server.engine.chattts.step.kv`);
-* blocks of token steps (:mod:`server.engine.chattts.step.runner`) with static shapes over
-  the slots (:mod:`server.engine.chattts.step.token_step`, the Llama layer by layer in
-  :mod:`server.engine.chattts.step.llama`), eagerly or as CUDA graphs
-  (:mod:`server.engine.chattts.step.graphs`), with
-  counter-based random streams and sampling on the device
-  (:mod:`server.engine.chattts.step.sampling`); one value comes back to the host per
-  token (whether any row still runs), one small summary per block;
+* blocks of token steps (:mod:`.step.runner`) with static shapes over the slots
+  (:mod:`.step.token_step`, the Llama layer by layer in :mod:`.step.llama` on the
+  projections of :mod:`.step.linear`), eagerly or as CUDA graphs (:mod:`.step.graphs`),
+  with counter-based random streams and sampling on the device (:mod:`.step.sampling`);
+  one value comes back to the host per token (any row still running?), one summary per block;
 * incremental decode of only the new tokens, each row on its own block
   schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
   group of similar window lengths) (:mod:`server.engine.chattts.decode`,
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +36,10 @@ from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.prompt import PromptBuilder, PromptLimits
 from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
 from server.engine.chattts.refine_queue import RefineQueue
-from server.engine.chattts.setup import engine_info, kv_length, resolve_device, resolve_dtype
+from server.engine.chattts.setup import engine_info, kv_length, log_engine_info, resolve_device, resolve_dtype
+from server.engine.chattts.step.linear import prepare_projections
 from server.engine.chattts.step.runner import Row, RunnerFactory, SlotBatch, TokenTap
-from server.engine.chattts.step.sampling import stream_key
+from server.engine.chattts.step.sampling import seed_of, stream_key
 from server.engine.chattts.text import ChatTTSText
 from server.engine.chattts.voice import VoiceBank
 from server.engine_api import (
@@ -88,11 +86,12 @@ class ChatTTSEngine:
         self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
         self.warmup_prompt_chars = options.warmup_prompt_chars
         self._decode_opts = {
-            "context_tokens": options.context_tokens,
-            "holdback_tokens": options.holdback_tokens,
-            "crossfade_samples": options.crossfade_samples,
+            k: getattr(options, k) for k in ("context_tokens", "holdback_tokens", "crossfade_samples")
         }
-        self._llama = chat.gpt.gpt.to(dtype=dtype)
+        self._llama = chat.gpt.gpt
+        self._projections = prepare_projections(
+            self._llama, dtype=dtype, device=device, quantize=options.quantize
+        )
         cfg = self._llama.config
         self.hidden_size = int(cfg.hidden_size)
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
@@ -140,14 +139,7 @@ class ChatTTSEngine:
         self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
-        self._info = engine_info(
-            loaded,
-            self._batch,
-            device=device,
-            dtype=dtype,
-            refine=self.prompts.limits.refine_tokens > 0,
-            voices_from_recordings=voice_seconds > 0,
-        )
+        self._info = self._describe()
 
     @classmethod
     def load(
@@ -193,7 +185,9 @@ class ChatTTSEngine:
             verify=verify_weights,
         )
         dt = resolve_dtype(dtype, dev)
-        return cls(loaded, device=dev, dtype=dt, options=options, step_runner=step_runner)
+        engine = cls(loaded, device=dev, dtype=dt, options=options, step_runner=step_runner)
+        engine.prepare_step()  # before ``info`` is published: it says which token step runs
+        return engine
 
     @property
     def info(self) -> EngineInfo:
@@ -253,7 +247,7 @@ class ChatTTSEngine:
             return
         if not self._info.refine:
             raise EngineError("refinement is off on this server (--refine-max-tokens 0)")
-        self._refining.add(request, RefineRow(model_text, request.params.refine_prompt, _seed_of(request)))
+        self._refining.add(request, RefineRow(model_text, request.params.refine_prompt, seed_of(request)))
 
     def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
         """The engine's state of a sequence whose prompt reads ``model_text``."""
@@ -270,7 +264,7 @@ class ChatTTSEngine:
             input_ids=input_ids,
             text_mask=text_mask,
             speaker=prompt.speaker,
-            key=stream_key(_seed_of(request)),
+            key=stream_key(seed_of(request)),
             decoder=StreamDecoder(None, **self._decode_opts),
             max_tokens=max(1, min(request.max_tokens, self.segment_max_tokens, self.max_len - n)),
         )
@@ -346,6 +340,20 @@ class ChatTTSEngine:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""
         return self._batch.shapes()
 
+    def _describe(self) -> EngineInfo:
+        dev, dtype, projections = self.device, self.dtype, self._projections
+        return engine_info(
+            self._loaded, self._batch, device=dev, dtype=dtype, projections=projections, options=self.options
+        )
+
+    def prepare_step(self) -> None:
+        """Run (CUDA: capture) the token step at every shape once; a runner that fails gives way to eager."""
+        if not self._batch.runner_prepared:
+            with torch.inference_mode():
+                self._batch.prepare_runner(self.step_shapes())
+            self._info = self._describe()
+            log_engine_info(self._info, self._batch.kv.nbytes)
+
     def warmup(self) -> None:
         """Meet every shape serving will meet before the first request does.
 
@@ -354,11 +362,11 @@ class ChatTTSEngine:
         runs one short sequence through every block size (allocations, kernels, numba).
         """
         if not self._prepared:
+            self.prepare_step()
             with torch.inference_mode():
                 # Without buckets (1) every length is its own shape: too many to warm, so none are.
                 if self.prefill_bucket > 1:
                     self._batch.warm_prefill(self.longest_prompt, self.device)
-                self._batch.runner.prepare(self.step_shapes())
                 if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
                     self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
             self._prepared = True
@@ -366,9 +374,8 @@ class ChatTTSEngine:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
             return
         tokens = sum(self.block_schedule) + 1
-        request = SequenceRequest(
-            seq_id=_WARMUP_ID, text="warm up", params=SynthesisParams(seed=0), max_tokens=tokens
-        )
+        params = SynthesisParams(seed=0)
+        request = SequenceRequest(seq_id=_WARMUP_ID, text="warm up", params=params, max_tokens=tokens)
         self.add(request)
         try:
             while _WARMUP_ID in self._seqs:
@@ -390,9 +397,3 @@ class ChatTTSEngine:
         del self._llama, self._batch
         gc.collect()
         self.empty_cache()
-
-
-def _seed_of(request: SequenceRequest) -> int:
-    """The sequence's seed: the stream's plus the segment's index, or a random one."""
-    seed = request.params.seed
-    return (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)

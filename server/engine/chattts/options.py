@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 #: Model tokens a second of recording's transcript may take when no limit is given.
 TRANSCRIPT_TOKENS_PER_SECOND = 20
+#: ``quantize``'s values: the GPT's projections as loaded, or weight-only int8.
+QUANTIZE_CHOICES = ("none", "int8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +63,10 @@ class EngineOptions:
     cuda_graphs: bool = True
     """Capture the token step as CUDA graphs on a CUDA device (no effect elsewhere)."""
 
+    quantize: str = "none"
+    """``"int8"``: the GPT's projections as weight-only int8 (half the bytes a bf16 step reads;
+    other tokens than without it); ``"none"``: as loaded in ``dtype``."""
+
     refine_max_tokens: int = 384
     """The refinement pass's token cap (``--refine-max-tokens``; 0, or below: off); a refined text
     may be this long, so it sizes the KV slots too."""
@@ -85,6 +91,8 @@ class EngineOptions:
             raise ValueError(f"max_batch {self.max_batch}: must be at least 1 (KV slots)")
         if self.segment_max_tokens < 1:
             raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize {self.quantize!r}: must be one of {', '.join(QUANTIZE_CHOICES)}")
 
     @property
     def transcript_tokens(self) -> int:

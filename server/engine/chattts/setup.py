@@ -13,6 +13,7 @@ import torch
 
 from server.engine.chattts.assets import LoadedChat
 from server.engine.chattts.decode import SAMPLES_PER_TOKEN
+from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.prompt import file_identity
 from server.engine.chattts.step.runner import SlotBatch
 from server.engine_api import EngineInfo
@@ -74,48 +75,57 @@ def engine_info(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    refine: bool,
-    voices_from_recordings: bool,
+    projections: str,
+    options: EngineOptions,
 ) -> EngineInfo:
-    """The engine's static facts (``hello``, the ``chattts_engine_info`` metric), logged once.
+    """The engine's static facts (``hello``, the ``chattts_engine_info`` metric).
 
     Args:
         loaded: the weights.
-        batch: the KV slots and token step.
+        batch: the KV slots and token step (which runner, and why, when it fell back).
         device: where the Llama runs.
         dtype: the Llama's dtype.
-        refine: whether ``refine: true`` is served (``--refine-max-tokens`` above 0).
-        voices_from_recordings: whether voices can be made from recordings.
+        projections: what its projections run as (:func:`.step.linear.prepare_projections`).
+        options: the engine's options (``quantize``, whether refinement and voices from
+            recordings are on).
     """
     extra = {
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "quantize": options.quantize,
+        "projections": projections,
         "model_dir": str(loaded.model_dir),
         "random_weights": "true" if loaded.random_weights else "false",
         "weights": loaded.weights,
         **batch.describe(),
     }
-    log.info(
-        "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, batch buckets %s",
-        extra["kv_slots"],
-        extra["kv_max_len"],
-        batch.kv.nbytes / 2**20,
-        extra["dtype"],
-        extra["token_step"],
-        extra["batch_buckets"],
-    )
-    if loaded.random_weights:
-        log.warning(
-            "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
-            loaded.model_dir,
-        )
     dvae = loaded.model_dir / "asset" / "DVAE.safetensors"
     return EngineInfo(
         name="chattts",
         voices=("default",),
         samples_per_token=SAMPLES_PER_TOKEN,
-        refine=refine,
+        refine=options.refine_max_tokens > 0,
         # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
-        voice_encoder=file_identity(dvae) if voices_from_recordings else None,
+        voice_encoder=file_identity(dvae) if options.voice_max_seconds > 0 else None,
         extra=extra,
     )
+
+
+def log_engine_info(info: EngineInfo, kv_bytes: int) -> None:
+    """The start-up log line of what runs (and a warning for random weights)."""
+    extra = info.extra
+    log.info(
+        "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, projections %s, batch buckets %s",
+        extra["kv_slots"],
+        extra["kv_max_len"],
+        kv_bytes / 2**20,
+        extra["dtype"],
+        extra["token_step"],
+        extra["projections"],
+        extra["batch_buckets"],
+    )
+    if extra["random_weights"] == "true":
+        log.warning(
+            "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",
+            extra["model_dir"],
+        )

@@ -204,7 +204,7 @@ def encode(message: dict[str, Any]) -> str:
 
 
 def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
-    """The first message on every connection (``weights`` when the engine says what it loaded).
+    """The first message on every connection (``weights`` and ``compute`` when the engine says them).
 
     ``voices``: the voice names now (voices made from recordings come and go).
     """
@@ -222,6 +222,8 @@ def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
     }
     if info.weights is not None:
         message["weights"] = info.weights
+    if info.compute:
+        message["compute"] = dict(info.compute)
     return encode(message)
 
 

@@ -6,10 +6,12 @@ values on the host): with no mask, SDPA applies its causal mask, as
 transformers itself does for an unpadded prompt.
 
 The token step (one position per row, each row masked to its own length)
-runs the same modules (norms, projections, rotary embedding, MLP) but its own
-attention: for a single query PyTorch's CPU SDPA kernel is slow (2.8 ms for
-8 rows × 12 heads × 256 positions on one core, against 0.7 ms for two
-``matmul`` and a softmax in float32, measured with torch 2.13), so on the CPU
+runs the same modules (norms, projections, MLP; the projections in the form
+:mod:`server.engine.chattts.step.linear` gave them) with the rotary embedding
+applied to q and k in one pass, and its own attention: for a single query
+PyTorch's CPU SDPA kernel is slow (2.8 ms for 8 rows × 12 heads × 256 positions
+on one core, against 0.7 ms for two ``matmul`` and a softmax in float32,
+measured with torch 2.13), so on the CPU
 the step computes ``softmax(q·kᵀ·scale + mask)·v`` itself, in float32; on
 CUDA it calls SDPA, whose fused kernels read the strided KV slots directly.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 #: ``attend(q, keys, values, mask, scale) -> (b, heads, 1, dim)``.
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -54,7 +56,7 @@ def math_attention(
     strided slot views, which cost as much as the attention itself.
     """
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.where(mask, scores, float("-inf"))  # one op where ``masked_fill(~mask)`` took two
     return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
 
 
@@ -91,15 +93,19 @@ def decode_layers(
         mask: ``(b, 1, 1, length)`` bool, True where a row may attend.
         attend: the attention function.
     """
-    cos, sin = llama.rotary_emb(x, positions)
+    cos, sin = (t.unsqueeze(1) for t in llama.rotary_emb(x, positions))  # (b, 1, 1, head_dim)
     b = x.shape[0]
     for layer in llama.layers[: llama.config.num_hidden_layers]:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, 1, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(b, 1, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(b, 1, -1, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # type: ignore[no-untyped-call]
+        heads = attn.config.num_attention_heads
+        # One position per row: (b, 1, heads·dim) is (b, heads, 1, dim) as it lies in memory. The
+        # rotary embedding turns q and k in one pass (the same arithmetic per element as
+        # transformers' ``apply_rotary_pos_emb``, half of its operator calls).
+        qk = torch.cat([attn.q_proj(h), attn.k_proj(h)], dim=-1).view(b, -1, 1, attn.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin  # type: ignore[no-untyped-call]
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = attn.v_proj(h).view(b, -1, 1, attn.head_dim)
         keys, values = cache.update(k, v, attn.layer_idx)
         groups = attn.num_key_value_groups
         out = attend(q, _repeat_kv(keys, groups), _repeat_kv(values, groups), mask, attn.scaling)

@@ -21,6 +21,7 @@ every other row decode (and re-decode context) after 8 tokens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from server.engine.chattts.step.kv import (
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
 from server.engine_api import SequenceRequest, StepResult
+
+log = logging.getLogger(__name__)
 
 #: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
 #: sequence accepted in one step (EOS excluded), on the CPU. Tests compare them with ChatTTS's own.
@@ -163,10 +166,34 @@ class SlotBatch:
             self.runner = CudaGraphRunner(self.token_step, device)
         else:
             self.runner = EagerRunner(self.token_step)
+        #: Why the chosen runner gave way to the eager step at warm-up (``None``: it did not).
+        self.runner_fallback: str | None = None
+        self.runner_prepared = False
+
+    def prepare_runner(self, shapes: list[tuple[int, int]]) -> None:
+        """Prepare the runner at every shape; if a capturing runner fails, step eagerly instead.
+
+        A GPU user must never be stopped by code that has not run on their GPU before:
+        the failure is logged once, loudly, and stated in the engine's info (``hello``,
+        ``/metrics``). The eager step failing too is a real fault and raises.
+        """
+        try:
+            self.runner.prepare(shapes)
+        except Exception as exc:
+            if isinstance(self.runner, EagerRunner):
+                raise
+            cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            self.runner_fallback = f"{self.runner.kind} failed at warm-up: {cause}"
+            log.error(
+                "TOKEN STEP FALLBACK: %s; running the token step eagerly (slower)", self.runner_fallback
+            )
+            self.runner = EagerRunner(self.token_step)
+            self.runner.prepare(shapes)
+        self.runner_prepared = True
 
     def describe(self) -> dict[str, str]:
         """KV slots, memory and shape buckets, for the engine's info and the start-up log."""
-        return {
+        facts = {
             "kv_slots": str(self.layout.slots),
             "kv_max_len": str(self.layout.max_len),
             "kv_cache_bytes": str(self.kv.nbytes),
@@ -174,6 +201,9 @@ class SlotBatch:
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
             "length_buckets": ",".join(map(str, self.length_buckets)),
         }
+        if self.runner_fallback is not None:
+            facts["token_step_fallback"] = self.runner_fallback
+        return facts
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""

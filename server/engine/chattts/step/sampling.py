@@ -19,9 +19,12 @@ sequence for the same seed, alone or in any batch.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
+
+from server.engine_api import SequenceRequest
 
 #: Repetition-penalty window of ChatTTS's ``CustomRepetitionPenaltyLogitsProcessorRepeat``.
 PENALTY_WINDOW = 16
@@ -33,6 +36,12 @@ MIN_TEMPERATURE = 1e-30
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
+
+
+def seed_of(request: SequenceRequest) -> int:
+    """A sequence's seed: its stream's plus the segment's index (``seed_offset``), or a random one."""
+    seed = request.params.seed
+    return (seed + request.seed_offset) % (1 << 63) if seed is not None else secrets.randbits(63)
 
 
 def stream_key(seed: int) -> tuple[int, int]:

@@ -1,0 +1,225 @@
+"""``python -m bench.cpu_realtime``: issue #23's CPU comparison, every row in one run.
+
+::
+
+    python -m server make-dev-model --size full /tmp/dev-full
+    mkdir /tmp/before && git archive d178f8d | tar -x -C /tmp/before      # the code before #23
+    python -m bench.cpu_realtime --model-dir /tmp/dev-full --before /tmp/before --before-commit d178f8d \\
+        --out bench/results/cpu_realtime
+
+1. **step** (:mod:`bench.cpu_step`, one child process): the memory floor, the GPT's 140
+   products in each form, transformers' own ``LlamaModel``, and the engine's token step
+   with its projections as before #23 (``dense``), as now (``onednn-bf16``) and with
+   ``--quantize int8``, at batch 1, 4 and 8, interleaved rounds, each split by part and
+   profiled op by op;
+2. **servers**: ``serve`` from ``--before`` (the code before the change, default flags),
+   from this tree (default flags) and from this tree with ``--quantize int8``, each
+   measured by the harness of ``python -m bench`` in closed loops at 1, 4 and 8 streams
+   (pcm16, medium and long texts so that streams last several seconds, cut after
+   ``--max-audio-s``); ``--rounds`` > 1 repeats the servers with their order flipped;
+3. **in-process**: ChatTTS's own ``infer()`` (stock float32) and the engine stepping in
+   this process (``bench.engine_direct``, default and int8) at the same levels.
+
+Every result records the 1-minute load average after it (the machine is shared). Writes
+``OUT.json`` (everything, every stream) and ``OUT.md`` (:mod:`bench.cpu_report`) after each
+part, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cpu_report import render
+from bench.machine import describe_machine
+from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess
+
+#: name → (extra ``serve`` flags, whose code: ``"before"`` or ``"after"``).
+SYSTEMS: dict[str, tuple[list[str], str]] = {
+    "before": ([], "before"),
+    "after": ([], "after"),
+    "after-int8": (["--quantize", "int8"], "after"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m bench.cpu_realtime`` arguments."""
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cpu_realtime",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--model-dir", type=Path, required=True, help="full-size dev model (make-dev-model)")
+    p.add_argument("--make-model", action="store_true", help="write a full-size dev model there if missing")
+    p.add_argument("--before", type=Path, help="a checkout of the code before #23 (omit: no 'before' server)")
+    p.add_argument("--before-commit", default="", help="the commit in --before if it is no git checkout")
+    p.add_argument("--after-commit", default="", help="the commit of this tree if it is no git checkout")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
+    p.add_argument("--parts", default="step,servers,inprocess", help="which parts to run")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="which servers to measure")
+    p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--duration", type=float, default=40.0, help="load time of one server scenario, s")
+    p.add_argument("--max-audio-s", type=float, default=6.0, help="each stream is cut after this much audio")
+    p.add_argument("--text-sizes", default="medium,long", help="texts of the default set to use")
+    p.add_argument("--rounds", type=int, default=1, help="server rounds (order flipped each round)")
+    p.add_argument("--step-rounds", type=int, default=3, help="rounds of the step part")
+    p.add_argument("--step-length", type=int, default=256, help="attention length of the step part")
+    p.add_argument("--step-batches", default="1,4,8", help="batch sizes of the step part")
+    p.add_argument("--step-iterations", type=int, default=8, help="calls per timed run of the step part")
+    p.add_argument("--compile", action="store_true", help="the step part also compiles transformers' Llama")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/cpu_realtime")
+    return p
+
+
+class Run:
+    """Settings, the results so far, and writing them after every part."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        self.args = args
+        self.workdir = Path(tempfile.mkdtemp(prefix="cpu-realtime-"))
+        self.began = time.perf_counter()
+        self.result: dict[str, Any] = {
+            "command": shlex.join(["python", "-m", "bench.cpu_realtime", *argv]),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "machine": describe_machine(),
+            "commits": {"after": args.after_commit or _commit(REPO_ROOT)},
+            "step": None,
+            "systems": {},
+            "scenarios": [],
+            "skipped": [],
+        }
+        if args.before is not None:
+            self.result["commits"]["before"] = args.before_commit or _commit(args.before)
+
+    def write(self) -> None:
+        """JSON and markdown of everything so far."""
+        self.result["elapsed_s"] = round(time.perf_counter() - self.began, 1)
+        self.result["machine"]["loadavg_now"] = list(os.getloadavg())
+        out = self.args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.result, indent=1, ensure_ascii=False) + "\n"
+        out.with_name(out.name + ".json").write_text(text)
+        out.with_name(out.name + ".md").write_text(render(self.result))
+
+    def step(self) -> None:
+        """The step part, in a child process."""
+        a, out = self.args, self.workdir / "step.json"
+        argv = [
+            sys.executable, "-m", "bench.cpu_step", "--model-dir", str(a.model_dir),
+            "--threads", str(a.threads), "--rounds", str(a.step_rounds), "--length", str(a.step_length),
+            "--batches", a.step_batches, "--iterations", str(a.step_iterations), "--out", str(out),
+        ]  # fmt: skip
+        argv += ["--compile"] if a.compile else []
+        print(f"[cpu_realtime] step: {shlex.join(argv)}", flush=True)
+        proc = subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV}, check=False)
+        if proc.returncode != 0:
+            self.result["skipped"].append({"what": "step", "why": f"bench.cpu_step exited {proc.returncode}"})
+            return
+        self.result["step"] = {"command": shlex.join(argv), **json.loads(out.read_text())}
+
+    def harness(self) -> Any:
+        """The ``python -m bench`` harness with this run's load settings."""
+        from bench.cli import Harness
+        from bench.cli import build_parser as bench_parser
+
+        a = self.args
+        bench_argv = [
+            "--model-dir", str(a.model_dir), "--threads", str(a.threads), "--formats", "pcm16",
+            "--concurrency", a.concurrency, "--duration", str(a.duration), "--grace-s", "60",
+            "--timeout-s", "240", "--max-audio-s", str(a.max_audio_s), "--text-sizes", a.text_sizes,
+            "--jitter-ms", "100,300", "--engine-concurrency", a.concurrency, "--settle-s", "2",
+        ]  # fmt: skip
+        return Harness(bench_parser().parse_args(bench_argv), bench_argv)
+
+    async def servers(self, harness: Any) -> None:
+        """Every server system, each started fresh, in flipped order every round."""
+        a = self.args
+        names = [n for n in a.systems.split(",") if n in SYSTEMS]
+        if a.before is None and "before" in names:
+            names.remove("before")
+            self.result["skipped"].append({"what": "server before", "why": "no --before checkout given"})
+        for r in range(a.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                extra, code = SYSTEMS[name]
+                await self._serve(harness, name, extra, a.before if code == "before" else REPO_ROOT, r)
+                self.result["scenarios"] = harness.scenarios
+                self.write()
+
+    async def _serve(self, harness: Any, name: str, extra: list[str], cwd: Path, round_: int) -> None:
+        from bench.client import fetch_hello
+
+        flags = [*harness.server_flags(), "--cache-bytes", "0", *extra]
+        server = ServerProcess(flags, log_path=self.workdir / f"{name}-{round_}.log", cwd=cwd)
+        print(f"[cpu_realtime] server {name} #{round_}: {shlex.join(server.argv)}; in {cwd}", flush=True)
+        try:
+            await server.start(timeout_s=900)
+        except RuntimeError as exc:
+            self.result["skipped"].append({"what": f"server {name}", "why": str(exc)})
+            return
+        try:
+            hello = await fetch_hello(server.url)
+            entry = {"hello": hello, "server": server.describe(), "cwd": str(cwd)}
+            self.result["systems"].setdefault(name, []).append(entry)
+            for spec in harness.loads:
+                await harness.run_scenario(name, server.url, spec, "pcm16", server)
+        finally:
+            await server.stop()
+
+    async def inprocess(self, harness: Any) -> None:
+        """ChatTTS's ``infer()`` and the engine in-process (default, and int8)."""
+        levels = [int(c) for c in self.args.concurrency.split(",")]
+        await harness.measure_inprocess("chattts-infer", "bench.infer_baseline", levels, [])
+        await harness.measure_inprocess("engine-direct", "bench.engine_direct", levels, [])
+        await harness.measure_inprocess(
+            "engine-direct-int8", "bench.engine_direct", levels, ["--quantize", "int8"]
+        )
+        for name in ("chattts-infer", "engine-direct", "engine-direct-int8"):
+            if name in harness.systems:
+                self.result["systems"][name] = [harness.systems[name]]
+        self.result["skipped"] += harness.skipped
+        self.result["scenarios"] = harness.scenarios
+
+
+def _commit(root: Path) -> str:
+    argv = ["git", "-C", str(root), "rev-parse", "--short", "HEAD"]
+    head = subprocess.run(argv, capture_output=True, text=True, check=False).stdout.strip()
+    return head or f"(not a git checkout: {root})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the parts asked for; write the results after each."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    CHILD_ENV.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    if args.make_model and not (args.model_dir / "DEV_MODEL.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "server", "make-dev-model", "--size", "full", str(args.model_dir)],
+            cwd=REPO_ROOT,
+            check=True,
+        )
+    run = Run(args, argv)
+    parts = set(args.parts.split(","))
+    if "step" in parts:
+        run.step()
+        run.write()
+    harness = run.harness()
+    if "servers" in parts:
+        asyncio.run(run.servers(harness))
+    if "inprocess" in parts:
+        asyncio.run(run.inprocess(harness))
+    run.result["skipped"] = list({json.dumps(s): s for s in run.result["skipped"]}.values())
+    run.write()
+    print(render(run.result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The Llama's projections as the token step wants them: oneDNN-prepacked bf16, or weight-only int8.
+
+A token step is seven matrix products per layer (q, k, v, o, gate, up, down: 140 for
+ChatTTS's 20 layers) over one row per stream, so on a CPU it is bound by reading the
+weights. ``F.linear`` on bf16 weights hands oneDNN a plain row-major matrix on every
+call, which it reorders into its blocked layout each time; :class:`PackedLinear` keeps
+the weight in that layout once (``torch.ops.mkldnn._reorder_linear_weight``, what
+inductor's ``freezing`` does for compiled models) and calls the same kernel on it:
+about 1.5x faster for the 140 products at batch 1 to 8 on this project's CPU, with the
+same results as ``F.linear`` (``bench/results/cpu_realtime.md``). Fusing q/k/v and
+gate/up into larger products gained nothing measurable on top of it, so the modules
+keep their shapes and the prefill and refinement (transformers' own layers) run on the
+same single copy of the weights.
+
+:class:`Int8Linear` is the opt-in ``--quantize int8``: weights in int8 with one scale
+per output channel, activations untouched (weight-only), computed by
+``torch.ops.aten._weight_int8pack_mm`` where the device has it (the CPU) and by
+dequantizing into the activation dtype elsewhere (correct and capturable, not faster).
+It halves what a bf16 step reads; it changes the sampled tokens (docs/operations.md,
+"The CPU step").
+
+Float32 on the CPU and every dtype on CUDA keep transformers' ``nn.Linear`` (MKL and
+cuBLAS already read their plain layout well; float32 must stay token-identical to
+ChatTTS).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.engine.chattts.options import QUANTIZE_CHOICES
+
+#: The projections of one transformers ``LlamaDecoderLayer``: (sub-module, attribute).
+PROJECTIONS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+def onednn_packing_available() -> bool:
+    """Whether this PyTorch build has oneDNN's prepacked linear (CPU builds normally do)."""
+    mkldnn = torch.ops.mkldnn
+    return bool(torch.backends.mkldnn.is_available()) and all(  # type: ignore[no-untyped-call]
+        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` without bias whose weight lives in oneDNN's blocked layout (bf16, CPU).
+
+    Args:
+        weight: ``(out, in)`` bf16 on the CPU.
+        batch_hint: the row count oneDNN chooses its blocking for (any count works).
+    """
+
+    def __init__(self, weight: torch.Tensor, *, batch_hint: int = 8) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        # A plain attribute, not a buffer: an opaque oneDNN tensor cannot be moved or saved.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for ``(..., in)`` inputs."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return out
+
+    def extra_repr(self) -> str:
+        """What ``print(module)`` shows."""
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn-packed"
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(q (out, in) int8, scale (out,) float32)``, ``w ≈ q · scale``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 ``nn.Linear`` without bias: int8 weight, one scale per output channel.
+
+    ``scale`` is a floating buffer, so ``module.to(dtype=...)`` gives it the activations'
+    dtype (what ``_weight_int8pack_mm`` wants) while the int8 weight stays int8.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q.to(weight.device))
+        self.register_buffer("scale", scale.to(weight.device))
+        self._packed_mm = torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::_weight_int8pack_mm", "CUDA" if weight.device.type == "cuda" else "CPU"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ (q · scale).T`` for ``(..., in)`` inputs."""
+        qweight, scale = self.qweight, self.scale
+        if self._packed_mm:
+            flat = x.reshape(-1, self.in_features)
+            out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, qweight, scale.to(x.dtype))
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype).unsqueeze(1))
+
+    def extra_repr(self) -> str:
+        """What ``print(module)`` shows."""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
+
+
+def prepare_projections(llama: nn.Module, *, dtype: torch.dtype, device: torch.device, quantize: str) -> str:
+    """Cast the Llama to ``dtype`` and give its projections the step's best form; what they became.
+
+    Returns:
+        ``"int8"`` (:class:`Int8Linear`), ``"onednn-bf16"`` (:class:`PackedLinear`, bf16 on a CPU
+        whose PyTorch has oneDNN) or ``"dense"`` (transformers' own ``nn.Linear``).
+    """
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; not {quantize!r}")
+    layers = list(llama.layers)  # type: ignore[arg-type]
+    if quantize == "int8":  # from the loaded (float32) weights, before the cast
+        _replace(layers, Int8Linear)
+        llama.to(dtype=dtype)
+        return "int8"
+    llama.to(dtype=dtype)
+    if device.type == "cpu" and dtype == torch.bfloat16 and onednn_packing_available():
+        _replace(layers, PackedLinear)
+        return "onednn-bf16"
+    return "dense"
+
+
+def _replace(layers: list[nn.Module], make: type[PackedLinear] | type[Int8Linear]) -> None:
+    """Every layer's seven projections replaced by ``make(weight)``; the dense weights are freed."""
+    for layer in layers:
+        for owner_name, name in PROJECTIONS:
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, name)
+            if not isinstance(linear, nn.Linear) or getattr(linear, "bias", None) is not None:
+                raise TypeError(f"{owner_name}.{name} is {type(linear).__name__}, not a Linear without bias")
+            with torch.no_grad():
+                setattr(owner, name, make(linear.weight))

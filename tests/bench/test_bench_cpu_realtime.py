@@ -1,0 +1,46 @@
+"""``python -m bench.cpu_realtime`` on the tiny model, small: issue #23's comparison command still runs.
+
+The committed result (``bench/results/cpu_realtime.md``) came from the full-size model; this
+checks that the command, its step child and its report keep working (every step row, the
+split, the profile, one server scenario with ``hello.compute``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.model
+
+
+def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cpu"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench.cpu_realtime", "--model-dir", str(tiny_model_dir),
+            "--parts", "step,servers", "--systems", "after", "--concurrency", "1", "--duration", "1",
+            "--max-audio-s", "0.5", "--text-sizes", "short", "--step-rounds", "1", "--step-batches", "1,2",
+            "--step-iterations", "1", "--out", str(out),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_name("cpu.json").read_text())
+    rows = result["step"]["rows"]
+    for name in ("floor-plain", "products-dense", "products-onednn-bf16", "products-int8", "transformers"):
+        assert {f"{name}@1", f"{name}@2"} <= set(rows)
+    for form in ("dense", "onednn-bf16", "int8"):
+        split = result["step"]["splits"][f"step-{form}@2"]
+        assert split["projections"] > 0 and split["total"] >= split["projections"]
+        assert result["step"]["profiles"][f"step-{form}@1"]
+    [server] = result["systems"]["after"]
+    assert server["hello"]["compute"]["quantize"] == "none"
+    [scenario] = [s for s in result["scenarios"] if s["system"] == "after"]
+    assert scenario["concurrency"] == 1 and scenario["summary"]["streams"] >= 1
+    md = out.with_name("cpu.md").read_text()
+    assert "## Targets" in md and "| after c1 |" in md

@@ -1,0 +1,187 @@
+"""The token step's forms (issue #23): prepacked and int8 projections, and the eager fallback.
+
+* oneDNN-prepacked projections compute the same step as transformers' ``nn.Linear``: in
+  float32, near-greedy, with rows joining, pausing, leaving and ending on their own, the
+  tokens are identical (bf16, the form serving uses, rounds differently by nature);
+* ``--quantize int8`` loads, serves a stream, and says so in ``hello`` and ``/metrics``;
+* a runner whose capture raises at warm-up gives way to the eager step: the server starts,
+  logs one loud line, says so in ``hello`` and ``/metrics``, and streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from server.app import App
+from server.config import load_settings
+from server.engine.chattts.options import EngineOptions
+from server.engine.chattts.step import linear
+from server.engine_api import SequenceRequest, SynthesisParams
+from tests.model.helpers import TEST_DEVICE, run_to_end
+from tests.model.reference import RecordingRunner
+from tests.wsclient import collect, open_client, start
+
+NEAR_GREEDY = 1e-12
+TEXTS = ["Hello there, this is the first sentence.", "第二句话，你好。", "Three.", "A fourth, longer one."]
+
+
+def _request(seq_id: int, *, seed: int, max_tokens: int) -> SequenceRequest:
+    params = SynthesisParams(seed=seed, temperature=NEAR_GREEDY)
+    return SequenceRequest(seq_id=seq_id, text=TEXTS[seq_id % 4], params=params, max_tokens=max_tokens)
+
+
+def _join_pause_leave(engine: Any) -> dict[int, torch.Tensor]:
+    """Five rows that join at different steps, one paused, one dropped; every row's codes."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    engine.token_tap = lambda sid, codes, _h: seen.setdefault(sid, []).append(codes)
+    try:
+        requests = {i: _request(i, seed=30 + i, max_tokens=18 + 7 * i) for i in range(5)}
+        engine.add(requests[0])
+        engine.add(requests[1])
+        engine.step([0, 1])
+        engine.add(requests[2])
+        engine.step([0, 1, 2])
+        engine.add(requests[3])
+        engine.add(requests[4])
+        engine.step([1, 2, 3, 4])  # row 0 paused
+        engine.drop(3)  # leaves mid-stream
+        live = [0, 1, 2, 4]
+        for _ in range(200):
+            if not live:
+                break
+            for result in engine.step(live):
+                if result.finished:
+                    live.remove(result.seq_id)
+        assert not live
+    finally:
+        engine.token_tap = None
+    return {sid: torch.cat(parts) for sid, parts in seen.items()}
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        options=EngineOptions(max_batch=8),
+        step_runner=RecordingRunner,
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.mark.skipif(
+    TEST_DEVICE != "cpu" or not linear.onednn_packing_available(), reason="oneDNN packing is the CPU's"
+)
+def test_prepacked_projections_give_the_same_tokens_as_nn_linear(fp32_engine: Any) -> None:
+    layers = list(fp32_engine._llama.layers)
+    assert isinstance(layers[0].self_attn.q_proj, torch.nn.Linear)
+    plain = _join_pause_leave(fp32_engine)
+    dense = [[getattr(getattr(ly, o), n) for o, n in linear.PROJECTIONS] for ly in layers]
+    linear._replace(layers, linear.PackedLinear)
+    try:
+        assert isinstance(layers[0].mlp.down_proj, linear.PackedLinear)
+        packed = _join_pause_leave(fp32_engine)  # prefill (transformers' layers) and steps on them
+    finally:
+        for layer, modules in zip(layers, dense, strict=True):
+            for (owner, name), module in zip(linear.PROJECTIONS, modules, strict=True):
+                setattr(getattr(layer, owner), name, module)
+    assert set(packed) == set(plain) == {0, 1, 2, 3, 4}
+    for sid in plain:
+        assert torch.equal(packed[sid], plain[sid]), f"row {sid} diverged"
+    assert len(plain[4]) > 16  # rows ran long enough to matter
+
+
+def test_bf16_on_the_cpu_packs_the_projections_once(tiny_model_dir: Path) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    engine = ChatTTSEngine.load(model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="bfloat16")
+    try:
+        expected = "onednn-bf16" if TEST_DEVICE == "cpu" and linear.onednn_packing_available() else "dense"
+        assert engine.info.extra["projections"] == expected
+        q_proj = engine._llama.layers[0].self_attn.q_proj
+        assert isinstance(q_proj, linear.PackedLinear if expected == "onednn-bf16" else torch.nn.Linear)
+        got = run_to_end(engine, [_request(1, seed=3, max_tokens=20)])[1]
+        assert got.tokens > 0 and len(got.samples) > 0
+    finally:
+        engine.close()
+
+
+def test_int8_weights_are_close_to_the_float_weights() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32) * torch.linspace(0.01, 3.0, 48).unsqueeze(1)  # channels of any scale
+    q, scale = linear.quantize_int8(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    error = (q.float() * scale.unsqueeze(1) - weight).abs().amax(dim=1)
+    assert torch.all(error <= scale / 2 + 1e-6)  # rounding, per channel
+    module = linear.Int8Linear(weight)
+    x = torch.randn(5, 3, 32)
+    assert module(x).shape == (5, 3, 48)
+    assert torch.allclose(module(x), x @ (q.float() * scale.unsqueeze(1)).T, atol=1e-4)
+
+
+@pytest.mark.loopback
+async def test_int8_serves_a_stream_and_says_so(make_model_app: Any) -> None:
+    app: App = await make_model_app("--quantize", "int8")
+    ws, hello = await open_client(app.port)
+    assert hello["compute"]["quantize"] == "int8" and hello["compute"]["dtype"] == "float32"
+    assert "token_step_fallback" not in hello["compute"]
+    metrics = app.metrics.render().decode()
+    assert 'quantize="int8"' in metrics and 'projections="int8"' in metrics
+    await start(ws, id="q", text="Quantized speech, one sentence.", seed=5)
+    log = (await collect(ws, {"q"}))["q"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete" and log.done["samples"] > 0
+
+
+class CaptureFails(RecordingRunner):
+    """A capturing runner whose capture raises, as a CUDA graph capture can on an untested GPU."""
+
+    kind = "cuda-graphs"
+
+    def prepare(self, shapes: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.loopback
+async def test_a_failed_capture_falls_back_to_the_eager_step(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    flags = ["--engine", "chattts", "--model-dir", str(tiny_model_dir), "--device", TEST_DEVICE]
+    flags += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "0", "--cache-bytes", "0"]
+    settings = load_settings(flags, env={})
+
+    def factory() -> Any:
+        return ChatTTSEngine.load(
+            model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", step_runner=CaptureFails
+        )
+
+    app = App(settings, engine_factory=factory)
+    with caplog.at_level(logging.ERROR, logger="server.engine.chattts.step.runner"):
+        await app.start()
+    try:
+        await app.warmed_up.wait()
+        loud = [r for r in caplog.records if "TOKEN STEP FALLBACK" in r.getMessage()]
+        assert len(loud) == 1 and "cuda-graphs failed at warm-up" in loud[0].getMessage()
+        ws, hello = await open_client(app.port)
+        assert hello["compute"]["token_step"] == "eager"
+        assert "operation not permitted" in hello["compute"]["token_step_fallback"]
+        metrics = app.metrics.render().decode()
+        assert 'token_step="eager"' in metrics and "token_step_fallback=" in metrics
+        await start(ws, id="f", text="Eager after all.", seed=2)
+        log = (await collect(ws, {"f"}))["f"]
+        await ws.close()
+        assert log.done is not None and log.done["reason"] == "complete" and log.done["samples"] > 0
+    finally:
+        await app.stop()
