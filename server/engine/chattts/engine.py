@@ -217,8 +217,12 @@ class ChatTTSEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the preallocated KV slots (known from start-up; exported as a metric)."""
+        """Bytes reserved for the KV slots: the most they can hold (known from start-up; a metric)."""
         return self._batch.kv.nbytes
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV slots in memory now (a metric): on the CPU, what the live rows wrote."""
+        return self._batch.kv.resident_bytes
 
     def validate_voice(self, voice: str) -> bool:
         """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices (any thread)."""
@@ -361,6 +365,7 @@ class ChatTTSEngine:
                 self._batch.runner.prepare(self.step_shapes())
                 if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
                     self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
+            self._batch.kv.trim()  # the steps above wrote into free slots: hand those pages back
             self._prepared = True
         if self.live_sequences >= self.slots:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")
