@@ -171,12 +171,12 @@ class SlotKV:
         heapq.heappush(self._free, slot)
 
     def trim(self) -> None:
-        """Hand back the pages of every free slot (after warm-up, which writes into slots it does not hold)."""
+        """Hand back the pages of every free slot (warm-up writes into slots it does not hold)."""
         for slot in self._free:
             self._release(slot)
 
     def cover(self, slot: int, positions: int) -> None:
-        """Note that ``slot``'s positions ``[0, positions)`` may have been written (for :attr:`resident_bytes`)."""
+        """Note that ``slot``'s positions ``[0, positions)`` may be written (:attr:`resident_bytes`)."""
         self._extent[slot] = max(self._extent[slot], min(positions, self.max_len))
 
     def _release(self, slot: int) -> None:
