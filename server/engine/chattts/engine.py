@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
 _NO_AUDIO = np.zeros(0, np.float32)
 _DEFAULT_OPTIONS = EngineOptions()
+_DECODE_OPTIONS = ("context_tokens", "holdback_tokens", "crossfade_samples")  # StreamDecoder's, as named
 
 
 class ChatTTSEngine:
@@ -79,19 +80,14 @@ class ChatTTSEngine:
         options: EngineOptions = _DEFAULT_OPTIONS,
         step_runner: RunnerFactory | None = None,
     ) -> None:
-        #: What it was built with.
-        self.options = options
+        self.options = options  # what it was built with
         self.block_schedule = options.block_schedule
         self.prefill_bucket = options.prefill_bucket
         chat = self._chat = loaded.chat
         self._loaded, self.device, self.dtype = loaded, device, dtype
         self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
         self.warmup_prompt_chars = options.warmup_prompt_chars
-        self._decode_opts = {
-            "context_tokens": options.context_tokens,
-            "holdback_tokens": options.holdback_tokens,
-            "crossfade_samples": options.crossfade_samples,
-        }
+        self._decode_opts = {name: getattr(options, name) for name in _DECODE_OPTIONS}
         self._llama = chat.gpt.gpt.to(dtype=dtype)
         cfg = self._llama.config
         self.hidden_size = int(cfg.hidden_size)
