@@ -7,11 +7,13 @@ and its errors reported, without importing torch.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import Settings, engine_options
+from server.config import Settings, engine_options, thread_environment
 from server.errors import StartupError
 
 if TYPE_CHECKING:
@@ -31,6 +33,18 @@ def cache_root(settings: Settings) -> Path:
     return Path.home() / ".cache" / "chattts-stream"
 
 
+def prepare_threads(settings: Settings) -> None:
+    """Set what torch's threads read when torch loads (``OMP_WAIT_POLICY``); too late once it has."""
+    wanted = thread_environment(settings)
+    if not wanted:
+        return
+    if "torch" in sys.modules:  # libgomp read its environment when torch was imported
+        level = logging.DEBUG if settings.omp_wait_policy == "auto" else logging.WARNING
+        log.log(level, "torch was loaded before the server could set %s: not applied", wanted)
+        return
+    os.environ.update(wanted)
+
+
 def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread).
 
@@ -43,6 +57,7 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         raise ModelUnavailable(str(exc)) from None
 
     def build() -> Engine:
+        prepare_threads(settings)
         from server.engine.chattts.assets import ModelUnavailableError
         from server.engine.chattts.devmodel import make_dev_model
         from server.engine.chattts.engine import ChatTTSEngine

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from server.config import load_settings, parse_block_schedule
+from server.config import load_settings, parse_block_schedule, thread_environment
 from server.engine.loading import ModelUnavailable, chattts_engine_factory
 
 
@@ -39,3 +44,35 @@ def test_cuda_graphs_flag_and_variable() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--cuda-graphs", "maybe"], env={})
     assert load_settings([], env={"CHATTTS_SEGMENT_MAX_TOKENS": "900"}).segment_max_tokens == 900
+
+
+def test_openmp_threads_wait_passively_unless_told_otherwise() -> None:
+    def wanted(flags: list[str], env: dict[str, str]) -> dict[str, str]:
+        return thread_environment(load_settings(flags, env={}), env)
+
+    assert wanted([], {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert wanted([], {"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the operator's own setting stays
+    assert wanted(["--omp-wait-policy", "active"], {}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert wanted(["--omp-wait-policy", "passive"], {"OMP_WAIT_POLICY": "ACTIVE"}) == {
+        "OMP_WAIT_POLICY": "PASSIVE"
+    }
+    assert load_settings([], env={"CHATTTS_OMP_WAIT_POLICY": "active"}).omp_wait_policy == "active"
+
+
+def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path) -> None:
+    """A fresh interpreter builds the engine as the server does (the weights are missing, so it fails)."""
+    code = (
+        "import os, sys; from server.config import load_settings; "
+        "from server.engine.loading import ModelUnavailable, chattts_engine_factory; "
+        f"build = chattts_engine_factory(load_settings(['--model-dir', {str(tmp_path)!r}], env={{}})); "
+        "assert 'torch' not in sys.modules\n"
+        "try: build()\n"
+        "except ModelUnavailable: pass\n"
+        "assert 'torch' in sys.modules; print(os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "PASSIVE"
