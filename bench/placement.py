@@ -36,21 +36,24 @@ from bench.servers import REPO_ROOT, ServerProcess, child_env
 from bench.stats import summarize
 from bench.textset import DEFAULT_TEXTS, load_texts, seed_base
 
-#: name → (serve flags, OMP_WAIT_POLICY or None for libgomp's own default, audio format).
-SERVERS: dict[str, tuple[list[str], str | None, str]] = {
-    "server t2 passive": (["--threads", "2"], "PASSIVE", "pcm16"),
-    "server t2 omp-default": (["--threads", "2"], None, "pcm16"),
-    "server t1 passive": (["--threads", "1"], "PASSIVE", "pcm16"),
-    "server t2 passive opus": (["--threads", "2"], "PASSIVE", "opus"),
+#: name → (serve flags, environment beyond the harness's (OMP_WAIT_POLICY left out), audio format).
+#: The server sets OMP_WAIT_POLICY=PASSIVE itself (``--omp-wait-policy auto``); libgomp's own default,
+#: what the server ran with before, is 300000 spins (about 3 ms) before an idle thread sleeps.
+SERVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
+    "server t2 passive": (["--threads", "2"], {}, "pcm16"),
+    "server t2 libgomp-default": (["--threads", "2"], {"GOMP_SPINCOUNT": "300000"}, "pcm16"),
+    "server t2 active": (["--threads", "2", "--omp-wait-policy", "active"], {}, "pcm16"),
+    "server t1 passive": (["--threads", "1"], {}, "pcm16"),
+    "server t1 pinned": (["--threads", "1", "--engine-cpus", "1"], {}, "pcm16"),
+    "server t2 passive opus": (["--threads", "2"], {}, "opus"),
 }
 #: name → (torch threads of the in-process engine, CPUs it may run on: 0 = all), OMP_WAIT_POLICY=PASSIVE.
 ENGINES = {"engine t2": (2, 0), "engine t1": (1, 0), "engine t1 one-core": (1, 1)}
 REFERENCE = "engine t2"
 
 
-def _env(omp: str | None) -> dict[str, str]:
-    env = {k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}
-    return env if omp is None else {**env, "OMP_WAIT_POLICY": omp}
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return {**{k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}, **extra}
 
 
 class EngineChild:
@@ -68,7 +71,7 @@ class EngineChild:
         with open(self.log, "ab") as log:  # noqa: ASYNC230 (once, before the measurement)
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=log, env=_env("PASSIVE"),
+                stderr=log, env=_env({"OMP_WAIT_POLICY": "PASSIVE"}),
             )  # fmt: skip
         await self._answer()
 
@@ -219,9 +222,9 @@ async def main_async(args: argparse.Namespace) -> None:
     started: dict[str, ServerProcess] = {}
     children: dict[str, EngineChild] = {}
     try:
-        for name, (flags, omp, _) in servers.items():
+        for name, (flags, extra, _) in servers.items():
             server = ServerProcess(
-                ["--model-dir", str(args.model_dir), *flags], env=_env(omp), log_path=logs / f"{name}.log"
+                ["--model-dir", str(args.model_dir), *flags], env=_env(extra), log_path=logs / f"{name}.log"
             )
             print(f"placement: starting {name}", file=sys.stderr)
             await server.start(timeout_s=900)

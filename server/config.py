@@ -71,6 +71,11 @@ class Settings:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
+    engine_cpus: str = _opt(
+        "",
+        "CPUs the inference thread and torch's threads run on (e.g. 1 or 2-3); the event loop and the "
+        "encoder threads get the others; empty: any CPU",
+    )
     omp_wait_policy: str = _opt(
         "auto",
         "how torch's idle OpenMP threads wait (OMP_WAIT_POLICY, set before torch loads); auto: PASSIVE "
@@ -220,6 +225,29 @@ def thread_environment(settings: Settings, env: Mapping[str, str] | None = None)
     if settings.omp_wait_policy == "auto":
         return {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": "PASSIVE"}
     return {"OMP_WAIT_POLICY": settings.omp_wait_policy.upper()}
+
+
+def parse_cpus(text: str, available: frozenset[int]) -> frozenset[int]:
+    """``"1"`` or ``"0,2-3"`` → those CPU numbers, each one of ``available``; ``""`` → none (no pinning).
+
+    Raises:
+        ValueError: naming ``--engine-cpus``.
+    """
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"--engine-cpus {text!r}: expected CPU numbers such as 1 or 0,2-3") from None
+    if not cpus <= available:
+        have = ",".join(map(str, sorted(available)))
+        raise ValueError(f"--engine-cpus {text!r}: this process may run on CPUs {have} only")
+    if cpus == available and len(available) > 1:
+        raise ValueError(
+            f"--engine-cpus {text!r}: leave at least one CPU to the event loop (or leave it empty)"
+        )
+    return frozenset(cpus)
 
 
 def parse_block_schedule(text: str) -> tuple[int, ...]:

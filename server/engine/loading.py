@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import Settings, engine_options, thread_environment
+from server.config import Settings, engine_options, parse_cpus, thread_environment
 from server.errors import StartupError
 
 if TYPE_CHECKING:
@@ -31,6 +31,13 @@ def cache_root(settings: Settings) -> Path:
     if settings.cache_dir:
         return Path(settings.cache_dir).expanduser()
     return Path.home() / ".cache" / "chattts-stream"
+
+
+def _available_cpus() -> frozenset[int]:
+    """The CPUs this thread may run on (all of them where the platform cannot pin threads)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
 
 
 def prepare_threads(settings: Settings) -> None:
@@ -53,10 +60,17 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     """
     try:
         options = engine_options(settings)
+        cpus = parse_cpus(settings.engine_cpus, _available_cpus())
+        if cpus and not hasattr(os, "sched_setaffinity"):
+            raise ValueError(f"--engine-cpus {settings.engine_cpus!r}: this platform cannot pin threads")
     except ValueError as exc:
         raise ModelUnavailable(str(exc)) from None
+    if cpus:  # this (the event loop's) thread, and every thread it starts later, keeps off them
+        os.sched_setaffinity(0, _available_cpus() - cpus)
 
     def build() -> Engine:
+        if cpus:  # the inference thread; torch's threads, started from it, inherit its CPUs
+            os.sched_setaffinity(0, cpus)
         prepare_threads(settings)
         from server.engine.chattts.assets import ModelUnavailableError
         from server.engine.chattts.devmodel import make_dev_model
