@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from bench import inproc
 from bench.audio import DEFAULT_SILENCE_THRESHOLD
 from bench.latency import StreamRecord
 from bench.load import LoadRun
-from bench.textset import Job, job, seed_base
+from bench.textset import BenchText, Job, job, seed_base
 
 
 @dataclass
@@ -44,6 +45,93 @@ def _note_audio(record: StreamRecord, audio: np.ndarray, now: float) -> None:
     record.frames.append((now, int(audio.size)))
 
 
+class ClosedLoop:
+    """N jobs kept live on one engine, stepped together, each finished job replaced at once.
+
+    Args:
+        engine: a loaded, warmed-up ``ChatTTSEngine``.
+        texts: the text set.
+        max_tokens: the token cap of every segment.
+        segment_max_chars: how the server would split a job's text.
+    """
+
+    def __init__(
+        self, engine: Any, texts: list[BenchText], *, max_tokens: int, segment_max_chars: int
+    ) -> None:
+        self.engine, self.texts = engine, texts
+        self.max_tokens, self.segment_max_chars = max_tokens, segment_max_chars
+        self._next_seq = 0
+
+    def _submit(self, slot: _Slot) -> None:
+        from server.engine_api import SequenceRequest, SynthesisParams
+
+        text = slot.pending.pop(0)
+        k = len(slot.segments) - len(slot.pending) - 1
+        params = SynthesisParams(seed=slot.job.seed)
+        request = SequenceRequest(
+            seq_id=self._next_seq, text=text, params=params, max_tokens=self.max_tokens, seed_offset=k
+        )
+        self.engine.add(request)
+        slot.seq_id = self._next_seq
+        self._next_seq += 1
+
+    def _new_slot(self, index: int, base: int) -> _Slot:
+        from server.text.segments import split_segments
+
+        j = job(self.texts, index, base)
+        segments = split_segments(j.text.text, max_chars=self.segment_max_chars)
+        record = StreamRecord(
+            job=j.index, system="engine-direct", fmt="f32", text_size=j.text.size, text_lang=j.text.lang
+        )
+        slot = _Slot(job=j, segments=segments, record=record, pending=list(segments))
+        record.t_send = time.perf_counter()
+        self._submit(slot)
+        return slot
+
+    def run(
+        self,
+        concurrency: int,
+        duration_s: float,
+        *,
+        base_seed: int,
+        max_streams: int = 1000,
+        cut: bool = False,
+    ) -> LoadRun:
+        """One scenario; ``cut``: drop the jobs still running when the load ends instead of finishing them."""
+        run = LoadRun(t_start=time.perf_counter())
+        deadline = run.t_start + duration_s
+        index = 0
+        slots: list[_Slot] = []
+        while True:
+            while len(slots) < concurrency and index < max_streams and time.perf_counter() < deadline:
+                slots.append(self._new_slot(index, base_seed))
+                index += 1
+            if not run.t_stop and len(slots) < concurrency:  # a slot was not refilled: the load ends
+                run.t_stop = time.perf_counter()
+            if not slots or (cut and run.t_stop):
+                break
+            results = {r.seq_id: r for r in self.engine.step([s.seq_id for s in slots])}
+            now = time.perf_counter()
+            for slot in list(slots):
+                result = results[slot.seq_id]
+                if result.audio.size:
+                    _note_audio(slot.record, result.audio, now)
+                if result.finished:
+                    if slot.pending:
+                        self._submit(slot)
+                    else:
+                        slot.record.t_done, slot.record.reason = now, "complete"
+                        run.records.append(slot.record)
+                        slots.remove(slot)
+        for slot in slots:  # cut
+            self.engine.drop(slot.seq_id)
+            slot.record.cut, slot.record.t_done = True, time.perf_counter()
+            run.records.append(slot.record)
+        run.t_stop = run.t_stop or time.perf_counter()
+        run.t_end = time.perf_counter()
+        return run
+
+
 def main() -> int:
     """Run the scenarios and write the JSON."""
     parser = inproc.base_parser(__doc__ or "")
@@ -56,8 +144,6 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.options import EngineOptions
-    from server.engine_api import SequenceRequest, SynthesisParams
-    from server.text.segments import split_segments
 
     began = time.perf_counter()
     engine = ChatTTSEngine.load(
@@ -71,62 +157,15 @@ def main() -> int:
     )
     engine.warmup()
     load_s = time.perf_counter() - began
-    texts = inproc.texts_from(args)
     max_tokens = inproc.cap_tokens(args.max_audio_s)
-    next_seq = 0
-
-    def submit(slot: _Slot) -> None:
-        nonlocal next_seq
-        text = slot.pending.pop(0)
-        k = len(slot.segments) - len(slot.pending) - 1
-        params = SynthesisParams(seed=slot.job.seed)
-        engine.add(
-            SequenceRequest(seq_id=next_seq, text=text, params=params, max_tokens=max_tokens, seed_offset=k)
-        )
-        slot.seq_id = next_seq
-        next_seq += 1
-
-    def new_slot(index: int, base: int) -> _Slot:
-        j = job(texts, index, base)
-        segments = split_segments(j.text.text, max_chars=args.segment_max_chars)
-        record = StreamRecord(
-            job=j.index, system="engine-direct", fmt="f32", text_size=j.text.size, text_lang=j.text.lang
-        )
-        slot = _Slot(job=j, segments=segments, record=record, pending=list(segments))
-        record.t_send = time.perf_counter()
-        submit(slot)
-        return slot
-
+    loop = ClosedLoop(
+        engine, inproc.texts_from(args), max_tokens=max_tokens, segment_max_chars=args.segment_max_chars
+    )
     scenarios = []
     for concurrency in inproc.concurrencies(args):
-        run = LoadRun(t_start=time.perf_counter())
         cpu0 = inproc.cpu_now()
-        deadline = run.t_start + args.duration
-        index = 0
-        slots: list[_Slot] = []
-        while True:
-            while len(slots) < concurrency and index < args.max_streams and time.perf_counter() < deadline:
-                slots.append(new_slot(index, seed_base(args.seed, f"c{concurrency}")))
-                index += 1
-            if not slots:
-                break
-            if not run.t_stop and len(slots) < concurrency:  # a slot was not refilled: the load ends
-                run.t_stop = time.perf_counter()
-            results = {r.seq_id: r for r in engine.step([s.seq_id for s in slots])}
-            now = time.perf_counter()
-            for slot in list(slots):
-                result = results[slot.seq_id]
-                if result.audio.size:
-                    _note_audio(slot.record, result.audio, now)
-                if result.finished:
-                    if slot.pending:
-                        submit(slot)
-                    else:
-                        slot.record.t_done, slot.record.reason = now, "complete"
-                        run.records.append(slot.record)
-                        slots.remove(slot)
-        run.t_stop = run.t_stop or time.perf_counter()
-        run.t_end = time.perf_counter()
+        base = seed_base(args.seed, f"c{concurrency}")
+        run = loop.run(concurrency, args.duration, base_seed=base, max_streams=args.max_streams)
         scenarios.append(inproc.scenario_result(concurrency, run, inproc.cpu_now() - cpu0))
     info = {
         "system": "engine-direct",

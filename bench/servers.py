@@ -69,6 +69,7 @@ class ServerProcess:
             ``python -m server serve`` in this repository).
         log_path: where the server's stdout/stderr go.
         cwd: working directory (default: the repository root).
+        env: the server's whole environment (default: :func:`child_env`).
     """
 
     def __init__(
@@ -78,8 +79,10 @@ class ServerProcess:
         command: list[str] | None = None,
         log_path: Path | None = None,
         cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.flags = list(flags)
+        self.env = env
         self.command = command or [sys.executable, "-m", "server", "serve"]
         self.log_path = log_path
         self.cwd = cwd or REPO_ROOT
@@ -121,7 +124,7 @@ class ServerProcess:
                 cwd=self.cwd,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                env=child_env(),
+                env=self.env if self.env is not None else child_env(),
             )
         finally:
             if not isinstance(log, int):

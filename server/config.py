@@ -71,6 +71,18 @@ class Settings:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
+    engine_cpus: str = _opt(
+        "",
+        "CPUs the inference thread and torch's threads run on (e.g. 1 or 2-3); the event loop and the "
+        "encoder threads get the others; empty: any CPU",
+    )
+    omp_wait_policy: str = _opt(
+        "auto",
+        "how torch's idle OpenMP threads wait (OMP_WAIT_POLICY, set before torch loads); auto: PASSIVE "
+        "unless OMP_WAIT_POLICY is set. Spinning threads take the CPU from the event loop and from other "
+        "processes: on a shared 2-core CPU they made the server 100x slower",
+        choices=("auto", "passive", "active"),
+    )
     block_schedule: str = _opt(
         "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"
     )
@@ -253,6 +265,40 @@ def load_settings(argv: Sequence[str] = (), env: Mapping[str, str] | None = None
     parser = argparse.ArgumentParser(prog="chattts-stream serve")
     add_settings_arguments(parser, os.environ if env is None else env)
     return settings_from_namespace(parser.parse_args(list(argv)))
+
+
+def thread_environment(settings: Settings, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to set before torch loads: ``OMP_WAIT_POLICY`` (``env``: default the process's).
+
+    ``auto`` keeps a policy the environment already sets and otherwise asks for PASSIVE.
+    """
+    env = os.environ if env is None else env
+    if settings.omp_wait_policy == "auto":
+        return {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"OMP_WAIT_POLICY": settings.omp_wait_policy.upper()}
+
+
+def parse_cpus(text: str, available: frozenset[int]) -> frozenset[int]:
+    """``"1"`` or ``"0,2-3"`` → those CPU numbers, each one of ``available``; ``""`` → none (no pinning).
+
+    Raises:
+        ValueError: naming ``--engine-cpus``.
+    """
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"--engine-cpus {text!r}: expected CPU numbers such as 1 or 0,2-3") from None
+    if not cpus <= available:
+        have = ",".join(map(str, sorted(available)))
+        raise ValueError(f"--engine-cpus {text!r}: this process may run on CPUs {have} only")
+    if cpus == available and len(available) > 1:
+        raise ValueError(
+            f"--engine-cpus {text!r}: leave at least one CPU to the event loop (or leave it empty)"
+        )
+    return frozenset(cpus)
 
 
 def parse_block_schedule(text: str) -> tuple[int, ...]:

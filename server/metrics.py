@@ -71,7 +71,14 @@ class Metrics:
             "chattts_gpu_memory_allocated_bytes", "Accelerator memory allocated (0 without one)", registry=r
         )
         self.kv_cache_bytes = Gauge(
-            "chattts_kv_cache_bytes", "KV cache the engine preallocated at start-up (0: none)", registry=r
+            "chattts_kv_cache_bytes",
+            "KV cache the engine reserved at start-up, the most it can hold (0: none)",
+            registry=r,
+        )
+        self.kv_resident_bytes = Gauge(
+            "chattts_kv_resident_bytes",
+            "KV cache in memory now: the reservation on a GPU, the live rows' positions on the CPU",
+            registry=r,
         )
 
     def render(self) -> bytes:

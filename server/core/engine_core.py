@@ -124,6 +124,7 @@ class EngineCore:
         try:
             if self._warmup:
                 self._warm(engine)
+            self._observe_memory(engine)
             self._emit([Ready()])
             wait: float | None = 0.0
             while (wait := self._iterate(engine, wait)) is not None:
@@ -164,6 +165,7 @@ class EngineCore:
         if not batch.idle:
             outcome = self._run(engine, batch, events)
             events += self._policy.update(batch, outcome, self._clock())
+        self._observe_memory(engine)
         self._publish(events)
         if self._clock() - self._last_emit >= HEARTBEAT_S:  # idle, or probing an open breaker
             self._emit([Heartbeat()])
@@ -269,10 +271,16 @@ class EngineCore:
         for result in results:
             metrics.tokens.inc(result.tokens)
             metrics.audio_seconds.inc(len(result.audio) / engine.info.sample_rate)
-        memory_allocated = getattr(engine, "memory_allocated", None)  # optional engine capability
-        if callable(memory_allocated):
-            metrics.gpu_memory_bytes.set(memory_allocated())
         return Stepped(results, elapsed)
+
+    def _observe_memory(self, engine: Engine) -> None:
+        """The memory gauges the engine can report (optional capabilities)."""
+        memory_allocated = getattr(engine, "memory_allocated", None)
+        if callable(memory_allocated):
+            self._metrics.gpu_memory_bytes.set(memory_allocated())
+        kv_resident_bytes = getattr(engine, "kv_resident_bytes", None)
+        if callable(kv_resident_bytes):
+            self._metrics.kv_resident_bytes.set(kv_resident_bytes())
 
     def _probe(self, engine: Engine) -> bool:
         """The open breaker's probe: one warm-up run."""

@@ -7,11 +7,13 @@ and its errors reported, without importing torch.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import Settings, engine_options
+from server.config import Settings, engine_options, parse_cpus, thread_environment
 from server.errors import StartupError
 
 if TYPE_CHECKING:
@@ -31,6 +33,25 @@ def cache_root(settings: Settings) -> Path:
     return Path.home() / ".cache" / "chattts-stream"
 
 
+def _available_cpus() -> frozenset[int]:
+    """The CPUs this thread may run on (all of them where the platform cannot pin threads)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def prepare_threads(settings: Settings) -> None:
+    """Set what torch's threads read when torch loads (``OMP_WAIT_POLICY``); too late once it has."""
+    wanted = thread_environment(settings)
+    if not wanted:
+        return
+    if "torch" in sys.modules:  # libgomp read its environment when torch was imported
+        level = logging.DEBUG if settings.omp_wait_policy == "auto" else logging.WARNING
+        log.log(level, "torch was loaded before the server could set %s: not applied", wanted)
+        return
+    os.environ.update(wanted)
+
+
 def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     """A constructor for the ChatTTS engine described by ``settings`` (runs on the inference thread).
 
@@ -39,10 +60,18 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
     """
     try:
         options = engine_options(settings)
+        cpus = parse_cpus(settings.engine_cpus, _available_cpus())
+        if cpus and not hasattr(os, "sched_setaffinity"):
+            raise ValueError(f"--engine-cpus {settings.engine_cpus!r}: this platform cannot pin threads")
     except ValueError as exc:
         raise ModelUnavailable(str(exc)) from None
+    if cpus:  # this (the event loop's) thread, and every thread it starts later, keeps off them
+        os.sched_setaffinity(0, _available_cpus() - cpus)
 
     def build() -> Engine:
+        if cpus:  # the inference thread; torch's threads, started from it, inherit its CPUs
+            os.sched_setaffinity(0, cpus)
+        prepare_threads(settings)
         from server.engine.chattts.assets import ModelUnavailableError
         from server.engine.chattts.devmodel import make_dev_model
         from server.engine.chattts.engine import ChatTTSEngine

@@ -5,6 +5,7 @@ Only loopback traffic is allowed here: the server must never reach for the hub.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from typing import Any
@@ -16,6 +17,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 import chattts_stream_client as cs
 from server.app import App
+from tests.integration.conftest import wait_until
 from tests.integration.test_client_py import raw_stream
 from tests.integration.test_resume import broken_run, unbroken
 from tests.tcp_proxy import CuttableProxy
@@ -139,3 +141,33 @@ async def test_kv_cache_size_is_exported(model_app: App) -> None:
     lines = model_app.metrics.render().decode().splitlines()
     [value] = [float(line.split()[1]) for line in lines if line.startswith("chattts_kv_cache_bytes ")]
     assert value > 0 and value % (2 * 2 * 16 * 4) == 0  # K and V · layers · slots · fp32 bytes divide it
+
+
+def _gauge(app: App, name: str) -> float:
+    for line in app.metrics.render().decode().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name}")
+
+
+async def test_resident_kv_memory_is_exported_as_it_changes(model_app: App) -> None:
+    """``chattts_kv_resident_bytes`` follows the engine: up while a stream's rows live, back after."""
+    reserved = _gauge(model_app, "chattts_kv_cache_bytes")
+    seen: list[float] = []
+    ws, _ = await open_client(model_app.port)
+    await start(ws, id="m", text=TEXT * 3, seed=5)
+    collecting = asyncio.create_task(collect(ws, {"m"}))
+    try:
+        async with asyncio.timeout(60):
+            while not collecting.done():  # sampled while the stream generates
+                seen.append(_gauge(model_app, "chattts_kv_resident_bytes"))
+                await asyncio.sleep(0.002)
+            log = (await collecting)["m"]
+    finally:
+        collecting.cancel()
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete"
+    assert 0 < max(seen) <= reserved
+    engine = model_app.engine_client._core.engine
+    assert engine is not None
+    await wait_until(lambda: _gauge(model_app, "chattts_kv_resident_bytes") == engine.kv_resident_bytes())

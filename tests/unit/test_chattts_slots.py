@@ -78,3 +78,72 @@ def test_prefill_cache_fills_one_slot_from_position_zero() -> None:
     assert keys.shape == (1, 2, 5, 3)
     assert torch.equal(kv.keys[0][2, :, :5], states[0])
     assert kv.keys[0][[0, 1, 3]].abs().sum() == 0 and kv.keys[0][2, :, 5:].abs().sum() == 0
+
+
+# --- resident memory on the CPU: pages follow the positions written ------------------------------
+
+MiB = 2**20
+#: 256 MiB of address space: 2 layers · K and V · 4 slots · 8 heads · 8192 positions · 64 · fp32.
+#: One position of one slot (every layer, K and V, every head) is 8 KiB, one head's run of it 256 B.
+BIG = {"layers": 2, "slots": 4, "kv_heads": 8, "max_len": 8192, "head_dim": 64}
+POSITION_BYTES = 2 * 2 * 8 * 64 * 4
+
+
+def _rss() -> int:
+    psutil = pytest.importorskip("psutil")
+    return int(psutil.Process().memory_info().rss)
+
+
+def _big_kv() -> SlotKV:
+    from server.engine.chattts.step.pages import lazy_pages_supported
+
+    if not lazy_pages_supported():
+        pytest.skip("lazily resident KV pages need Linux")
+    return SlotKV(**BIG, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _prefill(kv: SlotKV, slot: int, length: int) -> None:
+    """Write ``length`` positions of ``slot`` in every layer, from an expanded scalar (no temporaries)."""
+    states = torch.ones(1, 1, 1, 1).expand(1, BIG["kv_heads"], length, BIG["head_dim"])
+    for layer in range(BIG["layers"]):
+        kv.prefill_view(slot, length).update(states, states, layer_idx=layer)
+
+
+def test_cpu_slots_are_address_space_until_written_and_reading_costs_nothing() -> None:
+    before = _rss()
+    kv = _big_kv()
+    assert kv.lazy and kv.nbytes == 256 * MiB and kv.resident_bytes == 0
+    assert float(sum(t.sum() for t in (*kv.keys, *kv.values))) == 0.0  # the attention reads all of it
+    assert _rss() - before < 16 * MiB  # untouched pages read as the shared zero page
+
+
+def test_cpu_resident_memory_scales_with_the_rows_lengths_and_goes_back_when_freed() -> None:
+    kv = _big_kv()
+    base = _rss()
+    long_slot, short_slot = kv.take(), kv.take()
+    _prefill(kv, long_slot, 4096)
+    _prefill(kv, short_slot, 1024)
+    assert kv.resident_bytes == (4096 + 1024) * POSITION_BYTES == 40 * MiB
+    assert abs(_rss() - base - 40 * MiB) < 6 * MiB  # what the kernel counts, not only what we report
+    kv.give_back(long_slot)
+    assert kv.resident_bytes == 1024 * POSITION_BYTES
+    assert abs(_rss() - base - 8 * MiB) < 6 * MiB
+    assert float(kv.keys[1][long_slot].abs().sum()) == 0.0  # released pages read as zeros again
+    assert float(kv.keys[1][short_slot, :, :1024].sum()) == 8 * 1024 * 64  # the live row is untouched
+    kv.give_back(short_slot)
+    assert kv.resident_bytes == 0 and _rss() - base < 6 * MiB
+
+
+def test_a_step_write_counts_one_page_per_head_once_noted() -> None:
+    kv = _big_kv()
+    rows, positions = torch.arange(2), torch.tensor([5000, 0])
+    new = torch.ones(2, BIG["kv_heads"], 1, BIG["head_dim"])
+    for layer in range(BIG["layers"]):
+        kv.step_view(rows, positions, 8192).update(new, new, layer_idx=layer)
+    for slot, position in enumerate(positions.tolist()):  # the runner notes the lengths it read back
+        kv.cover(slot, position + 1)
+    runs = 2 * BIG["layers"] * BIG["kv_heads"]
+    assert kv.resident_bytes == runs * (-(-5001 * 256 // 4096) * 4096 + 4096)
+    kv.trim()  # both slots are free: trimming hands back what the step wrote
+    assert kv.resident_bytes == 0
+    assert float(kv.keys[0].abs().sum()) == 0.0

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from server.config import load_settings, parse_block_schedule
+from server.config import load_settings, parse_block_schedule, thread_environment
 from server.engine.loading import ModelUnavailable, chattts_engine_factory
 
 
@@ -39,3 +44,77 @@ def test_cuda_graphs_flag_and_variable() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--cuda-graphs", "maybe"], env={})
     assert load_settings([], env={"CHATTTS_SEGMENT_MAX_TOKENS": "900"}).segment_max_tokens == 900
+
+
+def test_openmp_threads_wait_passively_unless_told_otherwise() -> None:
+    def wanted(flags: list[str], env: dict[str, str]) -> dict[str, str]:
+        return thread_environment(load_settings(flags, env={}), env)
+
+    assert wanted([], {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert wanted([], {"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the operator's own setting stays
+    assert wanted(["--omp-wait-policy", "active"], {}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert wanted(["--omp-wait-policy", "passive"], {"OMP_WAIT_POLICY": "ACTIVE"}) == {
+        "OMP_WAIT_POLICY": "PASSIVE"
+    }
+    assert load_settings([], env={"CHATTTS_OMP_WAIT_POLICY": "active"}).omp_wait_policy == "active"
+
+
+def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path) -> None:
+    """A fresh interpreter builds the engine as the server does (the weights are missing, so it fails)."""
+    code = (
+        "import os, sys; from server.config import load_settings; "
+        "from server.engine.loading import ModelUnavailable, chattts_engine_factory; "
+        f"build = chattts_engine_factory(load_settings(['--model-dir', {str(tmp_path)!r}], env={{}})); "
+        "assert 'torch' not in sys.modules\n"
+        "try: build()\n"
+        "except ModelUnavailable: pass\n"
+        "assert 'torch' in sys.modules; print(os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "PASSIVE"
+
+
+def test_engine_cpus_parse_and_refuse_by_name() -> None:
+    from server.config import parse_cpus
+
+    four = frozenset(range(4))
+    assert parse_cpus("", four) == frozenset()
+    assert parse_cpus("1", four) == {1}
+    assert parse_cpus("0,2-3", four) == {0, 2, 3}
+    for bad, why in (
+        ("x", "expected CPU numbers"),
+        ("7", "CPUs 0,1,2,3 only"),
+        ("0-3", "leave at least one"),
+    ):
+        with pytest.raises(ValueError, match=f"--engine-cpus.*{why}"):
+            parse_cpus(bad, four)
+        with pytest.raises(ModelUnavailable, match="--engine-cpus"):
+            chattts_engine_factory(load_settings(["--engine-cpus", bad], env={}))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="2 CPUs")
+def test_engine_cpus_pin_the_inference_thread_and_keep_the_loop_off_them(tmp_path: Path) -> None:
+    """A fresh interpreter: the factory pins the calling thread to the others, build() its own thread."""
+    code = (
+        "import os, threading; from server.config import load_settings; "
+        "from server.engine.loading import ModelUnavailable, chattts_engine_factory; "
+        "first = min(os.sched_getaffinity(0)); "
+        f"flags = ['--engine-cpus', str(first), '--model-dir', {str(tmp_path)!r}]; "
+        "settings = load_settings(flags, env={}); "
+        "build = chattts_engine_factory(settings); seen = {}\n"
+        "def inference():\n"
+        "    try: build()\n"
+        "    except ModelUnavailable: seen['engine'] = os.sched_getaffinity(0)\n"
+        "thread = threading.Thread(target=inference); thread.start(); thread.join()\n"
+        "print(first, sorted(seen['engine']), first in os.sched_getaffinity(0))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.split()[0]  # the engine's CPU; the inference thread had only it, the loop not it
+    assert out.stdout.strip() == f"{first} [{first}] False"

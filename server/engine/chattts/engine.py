@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 _WARMUP_ID = -(1 << 62)
 _NO_AUDIO = np.zeros(0, np.float32)
 _DEFAULT_OPTIONS = EngineOptions()
+_DECODE_OPTIONS = ("context_tokens", "holdback_tokens", "crossfade_samples")  # StreamDecoder's, as named
 
 
 class ChatTTSEngine:
@@ -77,17 +78,14 @@ class ChatTTSEngine:
         options: EngineOptions = _DEFAULT_OPTIONS,
         step_runner: RunnerFactory | None = None,
     ) -> None:
-        #: What it was built with.
-        self.options = options
+        self.options = options  # what it was built with
         self.block_schedule = options.block_schedule
         self.prefill_bucket = options.prefill_bucket
         chat = self._chat = loaded.chat
         self._loaded, self.device, self.dtype = loaded, device, dtype
         self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
         self.warmup_prompt_chars = options.warmup_prompt_chars
-        self._decode_opts = {
-            k: getattr(options, k) for k in ("context_tokens", "holdback_tokens", "crossfade_samples")
-        }
+        self._decode_opts = {name: getattr(options, name) for name in _DECODE_OPTIONS}
         self._llama = chat.gpt.gpt
         self._projections = prepare_projections(
             self._llama, dtype=dtype, device=device, quantize=options.quantize
@@ -211,8 +209,12 @@ class ChatTTSEngine:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the preallocated KV slots (known from start-up; exported as a metric)."""
+        """Bytes reserved for the KV slots: the most they can hold (known from start-up; a metric)."""
         return self._batch.kv.nbytes
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV slots in memory now (a metric): on the CPU, what the live rows wrote."""
+        return self._batch.kv.resident_bytes
 
     def validate_voice(self, voice: str) -> bool:
         """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices (any thread)."""
@@ -369,6 +371,7 @@ class ChatTTSEngine:
                     self._batch.warm_prefill(self.longest_prompt, self.device)
                 if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
                     self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
+            self._batch.kv.trim()  # the steps above wrote into free slots: hand those pages back
             self._prepared = True
         if self.live_sequences >= self.slots:
             log.warning("warm-up skipped its test sequence: every KV slot is in use")

@@ -1,27 +1,30 @@
-"""Static KV slots: the ChatTTS engine's preallocated key/value cache and its shape buckets.
+"""Static KV slots: the ChatTTS engine's key/value cache, reserved once, and its shape buckets.
 
 Every layer's keys and values live in one buffer of shape
-``(slots, kv_heads, max_len, head_dim)``, allocated once (``slots`` =
-``--max-batch``). A sequence takes a free slot when it is prefilled and
-gives it back when it ends; its cache never moves, so rows joining and
-leaving never copy anyone else's cache, and the memory is known at start-up
+``(slots, kv_heads, max_len, head_dim)`` (``slots`` = ``--max-batch``). A sequence takes a
+free slot when it is prefilled and gives it back when it ends; its cache never moves, so rows
+joining and leaving never copy anyone else's cache. The reservation is known at start-up
 (:attr:`SlotKV.nbytes`, logged and exported)::
 
     bytes = 2 (K and V) · layers · slots · kv_heads · max_len · head_dim · bytes per value
 
-The values are the Llama's dtype on CUDA. On the CPU they are float32 whatever the Llama's
-dtype: the token step's attention (:mod:`server.engine.chattts.step.llama`) then reads them
-without a conversion, which made it about twice as fast as converting bf16 slices on every
-step; and the buffers come from ``calloc`` (through numpy), so the operating system maps
-their pages only as positions are written: the reservation is known up front, the resident
-memory grows with the positions actually used.
+On CUDA that is what the device holds, from start-up on. On the CPU it is address space: the
+buffers are one anonymous mapping (:mod:`server.engine.chattts.step.pages`) whose pages become
+resident as positions are written, and a slot given back hands its pages back to the system,
+so the resident memory (:attr:`SlotKV.resident_bytes`) follows the positions the live rows
+hold, not every slot at its worst case. The values are the Llama's dtype on CUDA and float32
+on the CPU whatever the Llama's dtype: the token step's attention
+(:mod:`server.engine.chattts.step.llama`) then reads them without a conversion, which made it
+about twice as fast as converting bf16 slices on every step.
 
 A token step covers slots ``[0, b)`` for ``b`` in :func:`batch_buckets` and
 attends over positions ``[0, length)`` for ``length`` in
 :func:`length_buckets`, each row masked to its own filled length: a closed,
 small set of shapes, each of which warm-up meets (and, on CUDA, captures as
 a graph). Slots are handed out lowest first, so the live rows stay packed at
-the front and ``b`` tracks the number of rows.
+the front and ``b`` tracks the number of rows. The token step reads every row of
+``[0, b)`` over ``[0, length)``; an unwritten page reads as the shared zero page, which
+costs no memory.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import bisect
 import heapq
 from typing import Any
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache
+
+from server.engine.chattts.step.pages import PAGE, PageReservation, lazy_pages_supported
 
 #: Attention lengths double up to the step (16, 32, ...) and then grow by it: finer on the CPU,
 #: where attending over padding costs memory bandwidth, coarser on CUDA, where each length is
@@ -79,15 +83,8 @@ def kv_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return model_dtype if device.type == "cuda" else torch.float32
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on the CPU from ``calloc``, so untouched pages take no resident memory."""
-    if device.type == "cpu" and dtype == torch.float32:
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 class SlotKV:
-    """Per-layer key/value buffers of every slot, and which slots are free.
+    """Per-layer key/value buffers of every slot, which slots are free, and what is resident.
 
     Args:
         layers: transformer layers.
@@ -111,17 +108,49 @@ class SlotKV:
         device: torch.device,
     ) -> None:
         shape = (slots, kv_heads, max_len, head_dim)
+        self.slots, self.max_len = slots, max_len
+        self._layers, self._heads = layers, kv_heads
+        self._run_bytes = head_dim * dtype.itemsize  # one position of one head
+        self._slot_bytes = kv_heads * max_len * self._run_bytes  # one slot of one layer's K (or V)
+        self._pages: PageReservation | None = None
         # Zeros, not empty: a masked position still enters the attention product (times 0),
         # and uninitialized memory may hold NaN, which 0 · NaN would spread.
-        self.keys = [_zeros(shape, dtype, device) for _ in range(layers)]
-        self.values = [_zeros(shape, dtype, device) for _ in range(layers)]
-        self.slots = slots
+        if device.type == "cpu" and lazy_pages_supported():
+            self._pages = PageReservation(2 * layers * slots * self._slot_bytes)
+            count = 2 * layers * slots * kv_heads * max_len * head_dim
+            both = torch.frombuffer(self._pages.buffer, dtype=dtype, count=count).view(layers, 2, *shape)
+            self.keys = [both[layer, 0] for layer in range(layers)]
+            self.values = [both[layer, 1] for layer in range(layers)]
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._free = list(range(slots))  # a heap: the lowest free slot first
+        #: Per slot, the positions ``[0, n)`` that may have been written since it was last released.
+        self._extent = [0] * slots
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers."""
+        """Bytes reserved by all buffers (the most the cache can hold)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def lazy(self) -> bool:
+        """Whether pages become resident only when written and go back when a slot is freed (the CPU)."""
+        return self._pages is not None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the cache in memory: all of it on a device; on the CPU, the pages written.
+
+        On the CPU: for every slot, each head's first ``n`` positions rounded up to whole
+        pages, ``n`` the positions written since the slot was last released (the step writes
+        one position past a row's filled part, a prefill its padded length). Where a head's
+        positions do not start on a page boundary the kernel may count one page more per head.
+        """
+        if self._pages is None:
+            return self.nbytes
+        runs = 2 * self._layers * self._heads
+        return runs * sum(-(-n * self._run_bytes // PAGE) * PAGE for n in self._extent)
 
     @property
     def free_slots(self) -> int:
@@ -135,17 +164,40 @@ class SlotKV:
         return heapq.heappop(self._free)
 
     def give_back(self, slot: int) -> None:
-        """Free ``slot``; its stale contents stay (masked out until overwritten)."""
+        """Free ``slot`` and, on the CPU, hand its pages back (they read as zeros until written again)."""
         if slot in self._free or not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not taken")
+        self._release(slot)
         heapq.heappush(self._free, slot)
+
+    def trim(self) -> None:
+        """Hand back the pages of every free slot (warm-up writes into slots it does not hold)."""
+        for slot in self._free:
+            self._release(slot)
+
+    def cover(self, slot: int, positions: int) -> None:
+        """Note that ``slot``'s positions ``[0, positions)`` may be written (:attr:`resident_bytes`)."""
+        self._extent[slot] = max(self._extent[slot], min(positions, self.max_len))
+
+    def _release(self, slot: int) -> None:
+        self._extent[slot] = 0
+        if self._pages is None:
+            return
+        for layer_kv in range(2 * self._layers):  # each layer's K, then its V: one region per slot each
+            start = (layer_kv * self.slots + slot) * self._slot_bytes
+            self._pages.release(start, start + self._slot_bytes)
 
     def prefill_view(self, slot: int, length: int) -> PrefillCache:
         """A cache that writes a prefill's ``length`` positions into ``slot``."""
+        self.cover(slot, length)
         return PrefillCache(self, slot, length)
 
     def step_view(self, rows: torch.Tensor, positions: torch.Tensor, length: int) -> StepCache:
-        """A cache that writes one position per row (``positions``) and attends over ``[0, length)``."""
+        """A cache that writes one position per row (``positions``) and attends over ``[0, length)``.
+
+        The positions are device data: the caller notes them (:meth:`cover`) once the block's
+        lengths are read back.
+        """
         return StepCache(self, rows, positions, length)
 
 

@@ -300,9 +300,14 @@ class SlotBatch:
             self.kv.give_back(slot)
 
     def release(self, row: Row) -> None:
-        """Free the row's slot (no other slot is touched)."""
+        """Free the row's slot (no other slot is touched) and its KV memory.
+
+        The freed slot's length goes back to 0: a step over ``[0, b)`` writes every row at its
+        length, and a freed row should touch only its first page, not one deep in its old stream.
+        """
         if row.slot >= 0:
             self.kv.give_back(row.slot)
+            self.state.lengths[row.slot] = 0
             row.slot = -1
 
     def _target(self, row: Row) -> int:
@@ -327,6 +332,8 @@ class SlotBatch:
         st = self.state
         summary = torch.stack([st.produced[:batch], st.stepping[:batch].long(), st.lengths[:batch]])
         produced, alive, lengths = summary.tolist()
+        for slot, length in enumerate(lengths):  # every row of [0, batch) wrote at its length
+            self.kv.cover(slot, length + 1)
         windows: list[tuple[Row, DecodeWindow]] = []
         for row in rows:
             k, row.length = produced[row.slot], lengths[row.slot]
