@@ -15,9 +15,7 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 * incremental decode of only the new tokens, each row on its own block
   schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
   group of similar window lengths) (:mod:`server.engine.chattts.decode`,
-  :mod:`server.engine.chattts.vocode`).
-
-Only ``server/engine/chattts*.py`` import torch; this is one of them.
+  :mod:`server.engine.chattts.vocode`). Only ``server/engine/chattts/`` imports torch.
 """
 
 from __future__ import annotations
