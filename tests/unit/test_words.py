@@ -174,6 +174,26 @@ def test_the_pause_goes_to_the_punctuated_boundary_not_the_nearest_by_weight() -
     assert abs(at_ms(timed[6].start) - at_ms(starts[7])) <= 15  # "seven" starts where it ends
 
 
+def test_where_the_durations_hesitate_the_punctuation_decides() -> None:
+    # Four equal syllables, the pause after the first (the comma). The audio alone fits a pause
+    # after the second a little better (0.45 s of speech, then 0.75 s): the comma tips it.
+    words = spoken_words("天，天天天")
+    audio, starts = speak([("word", 0.45), ("pause", 0.3), ("word", 0.75)])
+    timed = align(words, audio, RATE)
+    assert abs(at_ms(timed[0].end) - at_ms(starts[1])) <= 15
+    assert abs(at_ms(timed[1].start) - at_ms(starts[2])) <= 15
+
+
+def test_a_long_silence_is_a_boundary_even_without_punctuation() -> None:
+    # The speaker stops for 0.4 s after "one": no comma, but no word holds such a silence.
+    words = spoken_words("one two three")
+    one, two, three = (w.weight * 0.07 for w in words)
+    audio, starts = speak([("word", one), ("pause", 0.4), ("word", two), ("word", three)])
+    timed = align(words, audio, RATE)
+    assert abs(at_ms(timed[0].end) - at_ms(starts[1])) <= 15
+    assert abs(at_ms(timed[1].start) - at_ms(starts[2])) <= 15
+
+
 def test_a_short_silence_inside_a_word_is_not_a_boundary() -> None:
     # A steady speaker; "unbelievably" has a stop closure (70 ms of silence) after its first third.
     words = spoken_words("unbelievably long")
