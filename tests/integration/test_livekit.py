@@ -82,6 +82,19 @@ async def test_stream_audio_equals_the_websocket_stream_with_timed_sentences(app
     assert 'chattts_streams_total{reason="complete"} 3.0' in app.metrics.render().decode()
 
 
+async def test_prewarm_connects_before_the_first_stream(app: App) -> None:
+    tts = ChatTTSStreamTTS(url=url(app))
+    try:
+        tts.prewarm()
+        await wait_until(lambda: tts.client.hello is not None)
+        assert tts.client.connections == 1
+        async with tts.synthesize("Already connected.", conn_options=NO_RETRY) as chunked:
+            assert pcm(await collect(chunked))
+        assert tts.client.connections == 1  # the stream used the prewarmed connection
+    finally:
+        await tts.aclose()
+
+
 async def test_synthesize_equals_the_websocket_stream(app: App) -> None:
     tts = ChatTTSStreamTTS(url=url(app), seed=5, sample_rate=16_000)
     try:
