@@ -59,6 +59,21 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class WordTiming:
+    """A spoken word and its samples, for captions that follow the voice and cut-off transcripts.
+
+    Attributes:
+        text: the word as spoken (numbers spelled out; a Chinese character is a word).
+        start: its first sample's offset from the stream start (output rate).
+        end: the offset just past its last sample.
+    """
+
+    text: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class AudioChunk:
     """One audio frame of a stream, taken exactly once (resumes drop duplicates).
 
@@ -70,6 +85,8 @@ class AudioChunk:
         last: the stream's last frame.
         segments: text segments whose first sample lies in this frame.
         received_at: ``time.perf_counter()`` when the frame was read from the socket.
+        words: word timings that arrived with this frame, from a server that sends them
+            (docs/protocol.md, "Word timestamps"); empty otherwise.
     """
 
     data: bytes
@@ -78,6 +95,7 @@ class AudioChunk:
     last: bool
     segments: tuple[Segment, ...]
     received_at: float
+    words: tuple[WordTiming, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
