@@ -124,9 +124,11 @@ def test_int8_weights_are_close_to_the_float_weights() -> None:
     error = (q.float() * scale.unsqueeze(1) - weight).abs().amax(dim=1)
     assert torch.all(error <= scale / 2 + 1e-6)  # rounding, per channel
     module = linear.Int8Linear(weight)
-    x = torch.randn(5, 3, 32)
-    assert module(x).shape == (5, 3, 48)
-    assert torch.allclose(module(x), x @ (q.float() * scale.unsqueeze(1)).T, atol=1e-4)
+    dequantized = q.float() * scale.unsqueeze(1)
+    for shape in ((5, 3, 32), (2, 20, 32)):  # the int8 kernel's few rows, and a prefill's many
+        x = torch.randn(shape)
+        assert module(x).shape == (*shape[:-1], 48)
+        assert torch.allclose(module(x), x @ dequantized.T, atol=1e-4)
 
 
 @pytest.mark.loopback

@@ -14,8 +14,9 @@ same single copy of the weights.
 
 :class:`Int8Linear` is the opt-in ``--quantize int8``: weights in int8 with one scale
 per output channel, activations untouched (weight-only), computed by
-``torch.ops.aten._weight_int8pack_mm`` where the device has it (the CPU) and by
-dequantizing into the activation dtype elsewhere (correct and capturable, not faster).
+``torch.ops.aten._weight_int8pack_mm`` where the device has it (the CPU) for up to
+:data:`INT8_KERNEL_MAX_ROWS` rows, and by dequantizing into the activation dtype for
+more rows (a prefill) or on other devices (correct and capturable, not faster).
 It halves what a bf16 step reads; it changes the sampled tokens (docs/operations.md,
 "The CPU step").
 
@@ -31,6 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
+
+#: Above this many rows a product dequantizes the int8 weight instead of calling
+#: ``_weight_int8pack_mm``, whose cost grows with the rows (a matrix-vector kernel: 4x a
+#: dequantized product at 256 rows, measured with torch 2.13 on this project's CPU).
+INT8_KERNEL_MAX_ROWS = 16
 
 #: The projections of one transformers ``LlamaDecoderLayer``: (sub-module, attribute).
 PROJECTIONS = (
@@ -107,10 +113,12 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ (q · scale).T`` for ``(..., in)`` inputs."""
         qweight, scale = self.qweight, self.scale
-        if self._packed_mm:
-            flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features)
+        if self._packed_mm and flat.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, qweight, scale.to(x.dtype))
             return out.view(*x.shape[:-1], self.out_features)
+        # Many rows (a prompt's prefill): the int8 kernel costs in proportion to the rows, while
+        # one dequantized copy of the weight serves them all.
         return F.linear(x, qweight.to(x.dtype) * scale.to(x.dtype).unsqueeze(1))
 
     def extra_repr(self) -> str:
