@@ -31,6 +31,7 @@ from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
 from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
+from server.streams.timing import SegmentWords
 from server.text.segments import TextBuffer, has_speakable, split_segments
 from server.text.tags import problem as tag_problem
 from server.text.tags import refine_prompt_problem
@@ -131,6 +132,7 @@ class SpeechService:
             pool=self._pool,
             generation=generation,
             text=text_feed,
+            words=SegmentWords() if request.word_timestamps else None,
             resumable=resumable,
             ttl_s=self.registry.ttl_s,
             on_complete=on_complete,

@@ -20,7 +20,7 @@ import msgspec
 from server import errors
 from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
-from server.streams.outbox import Done, Frame, SegmentMark
+from server.streams.outbox import Done, Frame, SegmentMark, Words
 from server.streams.request import SpeechRequest
 
 PROTOCOL_VERSION: Final = 1
@@ -93,6 +93,7 @@ class Start(_Message, tag="start", frozen=True):
     max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] | None = None
     refine: bool = False
     refine_prompt: RefinePrompt = ""
+    word_timestamps: bool = False
 
 
 class Cancel(_Message, tag="cancel", frozen=True):
@@ -184,6 +185,7 @@ def speech_request(msg: Start) -> SpeechRequest:
         max_buffer_delay_ms=msg.max_buffer_delay_ms,
         refine=msg.refine,
         refine_prompt=msg.refine_prompt,
+        word_timestamps=msg.word_timestamps,
     )
 
 
@@ -278,6 +280,12 @@ def segment(name: str, slot: int, mark: SegmentMark) -> str:
             "text": mark.text,
         }
     )
+
+
+def words(name: str, slot: int, item: Words) -> str:
+    """A segment's words and their sample spans (streams started with ``word_timestamps``)."""
+    spans = [{"text": w.text, "start": w.start, "end": w.end} for w in item.words]
+    return encode({"type": "words", "id": name, "slot": slot, "seq": item.position, "words": spans})
 
 
 def done(name: str, slot: int, item: Done) -> str:
