@@ -198,6 +198,8 @@ class App:
             await conn.close_if_idle()
         if self.wyoming is not None:
             await self.wyoming.close_idle()
+        if self.http is not None:
+            await self.http.close_idle()
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 # The condition spans every stream's state; polling it during a drain is cheap.

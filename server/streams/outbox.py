@@ -12,6 +12,7 @@ No sockets, no model, no encoder here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class Words:
     """
 
     position: int
+    start: int  # the segment's first sample
+    end: int  # one past its last sample
     words: tuple[WordSpan, ...]
 
 
@@ -93,7 +96,7 @@ class _PendingMark:
 
     offset: int  # its first sample, at the output rate
     text: str
-    words: tuple[WordSpan, ...] | None = None
+    words: Words | None = None
 
 
 class BufferOverflow(Exception):
@@ -161,8 +164,10 @@ class Outbox:
         self._segment_native = self._native_in
         self._marks.append(_PendingMark(self._output_offset(self._native_in), text))
 
-    def on_words(self, words: Sequence[tuple[str, int, int]]) -> None:
+    def on_words(self, words: Sequence[tuple[str, int, int]], native_length: int) -> None:
         """The newest segment's words, as (text, start, end) in native samples from its start.
+
+        ``native_length``: the segment's whole length in native samples.
 
         Call it before that segment's last samples go to :meth:`on_frames`: the words then
         go out before the frame holding its last sample (right after its mark when the mark's
@@ -173,10 +178,13 @@ class Outbox:
             WordSpan(text, self._output_offset(base + start), self._output_offset(base + end))
             for text, start, end in words
         )
+        item = Words(
+            self._next_seq, self._output_offset(base), self._output_offset(base + native_length), spans
+        )
         if self._marks:  # the newest segment's mark (those before it went out first)
-            self._marks[-1].words = spans
+            self._marks[-1].words = item
         else:
-            self._append(Words(self._next_seq, spans))
+            self._append(item)
 
     def _output_offset(self, native: int) -> int:
         return native * self.sample_rate // NATIVE_SAMPLE_RATE
@@ -222,7 +230,7 @@ class Outbox:
                 at = min(mark.offset, max(sample, end - 1)) if frame.samples else sample
                 self._append(SegmentMark(seq, at, mark.text))
                 if mark.words is not None:
-                    self._append(Words(seq, mark.words))
+                    self._append(dataclasses.replace(mark.words, position=seq))
             self._append(Frame(seq, frame.payload, sample, frame.samples, is_last, starts))
             self._next_seq += 1
             self._next_sample = end

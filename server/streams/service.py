@@ -75,6 +75,10 @@ class SpeechService:
         """Every voice name a stream may use: the engine's, then those made from recordings."""
         return (*self.engine.info.voices, *(v.id for v in self.voices.all()))
 
+    def knows_voice(self, voice: str) -> bool:
+        """Whether ``voice`` can be spoken: the engine's (``seed:``, speakers too) or a recording's."""
+        return self.voices.get(voice) is not None or self.engine.validate_voice(voice)
+
     # --- admission -------------------------------------------------------------------------
 
     def check_accepting(self) -> None:
@@ -188,7 +192,7 @@ class SpeechService:
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise Unsupported(str(exc)) from None
-        if self.voices.get(request.voice) is None and not self.engine.validate_voice(request.voice):
+        if not self.knows_voice(request.voice):
             raise Unsupported(f"unknown voice {request.voice!r}")
         if request.refine and not self.engine.info.refine:
             raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")

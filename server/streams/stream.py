@@ -315,8 +315,10 @@ class Stream:
         self._words.add(event.samples)
         if event.segment_end:
             # The aligner is CPU work (energy and a dynamic programme): off the event loop.
-            words = await asyncio.get_running_loop().run_in_executor(self._word_pool, self._words.finish)
-            self.outbox.on_words(words)
+            words, length = await asyncio.get_running_loop().run_in_executor(
+                self._word_pool, self._words.finish
+            )
+            self.outbox.on_words(words, length)
 
     async def _end(self, event: Ended) -> None:
         if self._pool is None:

@@ -61,11 +61,11 @@ class SegmentWords:
         if len(samples):
             self._chunks.append(samples)
 
-    def finish(self) -> Sequence[tuple[str, int, int]]:
-        """The current segment ended: its words, as native sample offsets from its start.
+    def finish(self) -> tuple[Sequence[tuple[str, int, int]], int]:
+        """The current segment ended: its words (native sample offsets from its start) and its length.
 
         Runs the aligner (CPU work: call it off the event loop) and forgets the audio.
         """
         chunks, self._chunks = self._chunks, []
         audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-        return self._aligner(self._text, audio, NATIVE_SAMPLE_RATE)
+        return self._aligner(self._text, audio, NATIVE_SAMPLE_RATE), len(audio)

@@ -40,6 +40,8 @@ from server.frontends.common import (
     abort_transport,
     send_within,
 )
+from server.frontends.elevenlabs.routes import PREFIX as ELEVENLABS_PREFIX
+from server.frontends.elevenlabs.routes import ElevenLabsApi
 from server.frontends.http.common import CLIENT, counted_error, error_response, service_error
 from server.frontends.http.voices import VoicesApi
 from server.metrics import Metrics
@@ -145,6 +147,7 @@ class HttpApi:
         self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self.port: int | None = None  # bound port once started; None when off
+        self.elevenlabs: ElevenLabsApi | None = None  # its routes (--elevenlabs)
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
@@ -153,6 +156,9 @@ class HttpApi:
         web_app.router.add_get("/v1/models", self.models)
         web_app.router.add_get("/v1/audio/voices", self.voices)
         VoicesApi(self.service, self.settings, self.metrics).add_routes(web_app)
+        if self.settings.elevenlabs:  # ElevenLabs' API beside OpenAI's, on the same base URL
+            self.elevenlabs = ElevenLabsApi(self.service, self.info, self.gate, self.settings, self.metrics)
+            self.elevenlabs.add_routes(web_app)
         # handler_cancellation: a client that disconnects cancels its handler at once, even
         # while the handler waits for audio, so its generation stops within one block.
         self._runner = web.AppRunner(web_app, handler_cancellation=True, shutdown_timeout=1.0)
@@ -160,6 +166,11 @@ class HttpApi:
         await web.SockSite(self._runner, sock).start()
         self.port = int(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.settings.host, self.port)
+
+    async def close_idle(self) -> None:
+        """A drain started: close the ElevenLabs WebSockets that have no context."""
+        if self.elevenlabs is not None:
+            await self.elevenlabs.close_idle()
 
     async def stop(self) -> None:
         """Stop listening; responses still running are cancelled (their streams freed)."""
@@ -170,6 +181,8 @@ class HttpApi:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """API keys and origins as on the WebSocket; aiohttp's own errors in OpenAI's shape."""
+        if request.path.startswith(ELEVENLABS_PREFIX) and self.elevenlabs is not None:
+            return await handler(request)  # its own key (xi-api-key, or a WebSocket's first message)
         try:
             request[CLIENT] = self.gate.admit(request.path_qs, request.headers, request.remote or "?")
         except AccessDenied as denied:

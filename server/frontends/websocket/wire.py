@@ -285,7 +285,17 @@ def segment(name: str, slot: int, mark: SegmentMark) -> str:
 def words(name: str, slot: int, item: Words) -> str:
     """A segment's words and their sample spans (streams started with ``word_timestamps``)."""
     spans = [{"text": w.text, "start": w.start, "end": w.end} for w in item.words]
-    return encode({"type": "words", "id": name, "slot": slot, "seq": item.position, "words": spans})
+    return encode(
+        {
+            "type": "words",
+            "id": name,
+            "slot": slot,
+            "seq": item.position,
+            "sample": item.start,
+            "end": item.end,
+            "words": spans,
+        }
+    )
 
 
 def done(name: str, slot: int, item: Done) -> str:
