@@ -55,7 +55,11 @@ async def run(app: App, **fields: Any) -> StreamLog:
 
 async def test_every_word_once_in_order_inside_its_segment_before_its_last_frame(app: App) -> None:
     log = await run(app, text=TEXT, seed=4, word_timestamps=True)
-    assert [m["text"] for m in log.segments] == ["Hello there, world.", "你好世界。", "We have 3 cats [laugh] today [uv_break] now."]
+    assert [m["text"] for m in log.segments] == [
+        "Hello there, world.",
+        "你好世界。",
+        "We have 3 cats [laugh] today [uv_break] now.",
+    ]
     check_words(log, WORDS)
 
 
