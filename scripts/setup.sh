@@ -26,8 +26,9 @@ as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
 APT_PACKAGES=(libopus0)
 if [[ $DEV -eq 1 ]]; then
   # opus-tools: opusinfo/opusdec check our Ogg Opus; chromium (+ node) runs the browser tests;
-  # ffmpeg decodes our mp3 (gapless tag) and flac (libsndfile cannot read a FLAC stream of unknown length).
-  APT_PACKAGES+=(opus-tools chromium ffmpeg)
+  # ffmpeg decodes our mp3 (gapless tag) and flac (libsndfile cannot read a FLAC stream of unknown length);
+  # espeak-ng speaks with known word boundaries for bench.word_timing (tests/bench/test_word_timing_smoke.py).
+  APT_PACKAGES+=(opus-tools chromium ffmpeg espeak-ng)
   command -v node >/dev/null || APT_PACKAGES+=(nodejs npm)
 fi
 missing=()
@@ -78,9 +79,10 @@ extras="model"
 log "installing chattts-stream[$extras]"
 "${PIP[@]}" -e ".[$extras]"
 if [[ $DEV -eq 1 ]]; then
-  # The Python client (bench/ uses it) with its pipecat extra (tests/integration/test_pipecat.py).
-  log "installing client_py[pipecat]"
-  "${PIP[@]}" -e "./client_py[pipecat]"
+  # The Python client (bench/ uses it) with its pipecat and LiveKit extras
+  # (tests/integration/test_pipecat.py, test_livekit.py).
+  log "installing client_py[pipecat,livekit]"
+  "${PIP[@]}" -e "./client_py[pipecat,livekit]"
 fi
 echo "$want" > "$STAMP"
 log "ready: $VENV"
