@@ -193,7 +193,7 @@ class ElevenLabsSession:
 
     def _open(self, context_id: str, message: dict[str, Any]) -> tuple[Context, list[Action]]:
         if len(self.contexts) >= self._options.max_contexts:
-            raise InvalidRequest(f"at most {self._options.max_contexts} contexts per connection")
+            raise InvalidRequest(f"at most {self._options.max_contexts} context(s) per connection")
         assert self._client is not None
         self._service.admit(self._client)
         options = self._options
