@@ -18,44 +18,14 @@ from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSTextFr
 from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService, ElevenLabsTTSService
 from pipecat.tests.utils import SleepFrame, run_test
 
-from server.app import App
 from tests.integration.conftest import fake_engine, wait_until
 from tests.integration.test_incremental import ANSWER
 from tests.integration.test_pipecat import llm_answer
-from tests.wsclient import StreamLog, collect, open_client, start
+from tests.integration.timed_words import our_words, ours, pipecat_words, same_times
 
 SEED = "9"
 #: pipecat's sentence aggregator and LiveKit's sentence tokenizer cut this as our segmenter does.
 LK_TEXT = "The first sentence is right here. The second sentence ends it all."
-
-
-async def ours(app: App, text: str) -> StreamLog:
-    """Our WebSocket stream of ``text``, same voice and seed, with word timestamps."""
-    ws, _ = await open_client(app.port)
-    await start(ws, id="ref", text=text, seed=int(SEED), voice="default", word_timestamps=True)
-    log = (await collect(ws, {"ref"}))["ref"]
-    await ws.close()
-    assert log.done is not None and log.done["reason"] == "complete"
-    return log
-
-
-def our_words(log: StreamLog) -> list[tuple[str, float]]:
-    """Each word and its start in seconds."""
-    return [(w["text"], w["start"] / 24_000) for m in log.words for w in m["words"]]
-
-
-def pipecat_words(down: list[Any]) -> list[tuple[str, float]]:
-    """pipecat's spoken words and their times (its pts, in s, from the first word's)."""
-    frames = [f for f in down if isinstance(f, TTSTextFrame)]
-    return [(f.text, f.pts / 1e9) for f in frames]
-
-
-def same_times(got: list[tuple[str, float]], want: list[tuple[str, float]], *, offset: bool) -> None:
-    """The same words with the same starts (within 2 ms); ``offset``: ``got`` has its own clock origin."""
-    assert [w for w, _ in got] == [w for w, _ in want]
-    base = got[0][1] - want[0][1] if offset else 0.0
-    for (word, t), (_, expected) in zip(got, want, strict=True):
-        assert abs(t - base - expected) < 0.002, (word, t - base, expected)
 
 
 async def test_pipecat_elevenlabs_websocket_service_speaks_our_stream_with_its_words(make_app: Any) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+from chattts_stream_client import Client
 from server.app import App
 from tests.integration.test_resume import read_until_cut
 from tests.wsclient import StreamLog, collect, open_client, recv, start
@@ -115,3 +116,16 @@ async def test_a_resume_replays_the_words_with_the_audio(make_app: Any) -> None:
     # Every words message after the cut comes again, the same, before the frames it precedes.
     assert without_slot(resumed.words) == without_slot([m for m in reference.words if m["seq"] > after_seq])
     assert resumed.order.index(f"words:{target['seq']}") < resumed.order.index(f"frame:{target['seq']}")
+
+
+async def test_the_python_client_gives_each_chunk_the_words_timed_before_it(app: App) -> None:
+    reference = await run(app, text=TEXT, seed=4, word_timestamps=True)
+    async with Client(f"ws://127.0.0.1:{app.port}/v1/stream") as client:
+        stream = client.speak(TEXT, seed=4, word_timestamps=True)
+        chunks = [chunk async for chunk in stream]
+    spans = [(w.text, w.start, w.end) for w in stream.words]
+    assert spans == [(w["text"], w["start"], w["end"]) for m in reference.words for w in m["words"]]
+    assert [w for c in chunks for w in c.words] == stream.words  # each word once, on a chunk
+    for message in reference.words:  # on the chunk the server sent them before
+        chunk = next(c for c in chunks if c.seq == message["seq"])
+        assert [w.text for w in chunk.words] == [w["text"] for w in message["words"]]

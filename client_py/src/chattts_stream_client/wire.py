@@ -59,6 +59,19 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class Word:
+    """A spoken word and its samples (``start`` ≤ sample < ``end``, from the stream start).
+
+    Streams started with ``word_timestamps=True`` get each segment's words no later than the
+    chunk holding the segment's last sample (numbers as spoken: "3" is "three").
+    """
+
+    text: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class AudioChunk:
     """One audio frame of a stream, taken exactly once (resumes drop duplicates).
 
@@ -70,6 +83,8 @@ class AudioChunk:
         last: the stream's last frame.
         segments: text segments whose first sample lies in this frame.
         received_at: ``time.perf_counter()`` when the frame was read from the socket.
+        words: words timed before this frame (``word_timestamps`` streams): a segment's
+            words come with a chunk at or before the one holding its last sample.
     """
 
     data: bytes
@@ -78,6 +93,7 @@ class AudioChunk:
     last: bool
     segments: tuple[Segment, ...]
     received_at: float
+    words: tuple[Word, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
