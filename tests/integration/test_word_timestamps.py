@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -26,6 +27,7 @@ def check_words(log: StreamLog, expected: list[str]) -> list[dict[str, Any]]:
     assert log.done is not None and log.done["reason"] == "complete"
     assert len(log.words) == len(log.segments)  # one message per segment
     bounds = [m["sample"] for m in log.segments] + [log.done["samples"]]
+    assert [(m["sample"], m["end"]) for m in log.words] == list(itertools.pairwise(bounds))
     spans = {f.header.seq: (f.header.sample, f.header.sample + len(f.payload) // 2) for f in log.frames}
     words: list[dict[str, Any]] = []
     previous_end = 0
