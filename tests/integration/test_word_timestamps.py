@@ -131,3 +131,11 @@ async def test_the_python_client_gives_each_chunk_the_words_timed_before_it(app:
     for message in reference.words:  # on the chunk the server sent them before
         chunk = next(c for c in chunks if c.seq == message["seq"])
         assert [w.text for w in chunk.words] == [w["text"] for w in message["words"]]
+
+
+async def test_words_come_before_a_last_frame_that_ends_exactly_with_its_segment(app: App) -> None:
+    # 15 characters: 30 fake tokens of 512 samples, exactly 32 frames, so the segment's last
+    # frame is complete with its last block (no encoder remainder holds it back).
+    log = await run(app, text="Hi, how are ya. And a second one.", seed=1, word_timestamps=True)
+    assert log.segments[1]["sample"] == 32 * 480
+    check_words(log, ["Hi", "how", "are", "ya", "And", "a", "second", "one"])
