@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.integration.test_resume import read_until_cut
 from tests.integration.test_word_timestamps import TEXT, WORDS, check_words, run, without_slot
 from tests.wsclient import collect, open_client, start
+
+pytestmark = pytest.mark.loopback  # a server on 127.0.0.1
 
 
 async def test_words_on_the_tiny_model_and_their_replay_after_a_resume(make_model_app: Any) -> None:
