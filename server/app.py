@@ -234,6 +234,8 @@ class App:
         idle = [conn.close_if_idle() for conn in list(self.connections)]
         if self.wyoming is not None:
             idle.append(self.wyoming.close_idle())
+        if self.http is not None:
+            idle.append(self.http.close_idle())  # ElevenLabs WebSockets without a context
         await asyncio.gather(*idle, return_exceptions=True)
 
     async def run_until_signalled(self) -> None:

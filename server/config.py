@@ -49,6 +49,12 @@ class Settings:
         "serve Wyoming on a non-loopback --host although API keys are set (Wyoming has no keys: "
         "firewall the port or keep it on a private network)",
     )
+    elevenlabs: bool = _opt(
+        True, "serve ElevenLabs' text-to-speech API (WebSocket and REST) on the HTTP API's port"
+    )
+    elevenlabs_seed: int = _opt(
+        -1, "sampling seed of ElevenLabs requests that send none (-1: random, as ElevenLabs samples)"
+    )
     engine: str = _opt("chattts", "inference engine: ChatTTS or the test engine", choices=("chattts", "fake"))
     model_dir: str = _opt("", "ChatTTS asset folder; empty = fetch the official weights once into the cache")
     dev_model: str = _opt(

@@ -24,6 +24,7 @@ class StreamLog:
 
     started: dict[str, Any] | None = None
     segments: list[dict[str, Any]] = field(default_factory=list)
+    words: list[dict[str, Any]] = field(default_factory=list)
     frames: list[Frame] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     done: dict[str, Any] | None = None
@@ -86,12 +87,15 @@ async def collect(
         if sid not in logs:
             raise AssertionError(f"unexpected message {msg}")
         log = logs[sid]
-        log.order.append(f"segment:{msg['seq']}" if msg["type"] == "segment" else msg["type"])
+        kind = msg["type"]
+        log.order.append(f"{kind}:{msg['seq']}" if kind in ("segment", "words") else kind)
         if msg["type"] in ("started", "resumed"):
             log.started = msg
             by_slot[msg["slot"]] = sid
         elif msg["type"] == "segment":
             log.segments.append(msg)
+        elif msg["type"] == "words":
+            log.words.append(msg)
         elif msg["type"] == "error":
             log.errors.append(msg)
             if "started" not in log.order and "done" not in log.order:  # refused: no done follows

@@ -87,10 +87,15 @@ class SegmentStarted:
 
 @dataclass(frozen=True, slots=True)
 class Audio:
-    """New samples of the stream at the engine's native rate, in order."""
+    """New samples of the stream at the engine's native rate, in order.
+
+    ``segment_end``: these are the last samples of their segment (may be empty), so what
+    needs the segment's whole audio (its word timestamps) can be made before they go out.
+    """
 
     stream_id: int
     samples: AudioArray
+    segment_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from server.core.events import Audio, SegmentStarted, StreamEvent
 from server.engine_api import AudioArray, SynthesisParams
 
@@ -74,8 +76,8 @@ class StreamPlan:
         events: list[StreamEvent] = []
         if segment == self.emit_index:
             self._announce(events)
-            if len(audio):
-                events.append(Audio(self.stream_id, audio))
+            if len(audio) or finished:  # a segment's end is said even when its last block is empty
+                events.append(Audio(self.stream_id, audio, segment_end=finished))
         elif len(audio):
             self.held.setdefault(segment, []).append(audio)
         if finished:
@@ -96,7 +98,12 @@ class StreamPlan:
             if self.emit_index >= self.next_to_queue:
                 break
             self._announce(events)
-            events.extend(Audio(self.stream_id, chunk) for chunk in self.held.pop(self.emit_index, []))
+            chunks = self.held.pop(self.emit_index, [])
+            events.extend(Audio(self.stream_id, chunk) for chunk in chunks[:-1])
+            ended = self.emit_index in self.finished_segments  # it finished while held
+            if chunks or ended:
+                last = chunks[-1] if chunks else np.zeros(0, dtype=np.float32)
+                events.append(Audio(self.stream_id, last, segment_end=ended))
 
     @property
     def complete(self) -> bool:

@@ -47,6 +47,7 @@ def cache_key(
         msg.format,
         str(msg.sample_rate),
         f"refine={msg.refine}:{msg.refine_prompt}",
+        f"words={msg.word_timestamps}",
         voice_digest,
     ]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()

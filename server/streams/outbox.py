@@ -12,6 +12,7 @@ No sockets, no model, no encoder here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,29 @@ class SegmentMark:
 
 
 @dataclass(frozen=True, slots=True)
+class WordSpan:
+    """One spoken word and its samples, ``start`` ≤ sample < ``end``, from the stream start."""
+
+    text: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Words:
+    """The words of one text segment, timed; sent before the frame with seq ``position``.
+
+    Streams that asked for word timestamps get one after each segment's :class:`SegmentMark`
+    and before the frame that holds the segment's last sample.
+    """
+
+    position: int
+    start: int  # the segment's first sample
+    end: int  # one past its last sample
+    words: tuple[WordSpan, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """The stream failed; a :class:`Done` with reason ``error`` follows."""
 
@@ -62,9 +86,18 @@ class Done:
     samples: int
 
 
-#: ``position``: a frame's seq; a mark's frame; ``Failure``/``Done``: last seq + 1. A resume
-#: after seq ``n`` replays every item with ``position > n``.
-OutItem = Frame | SegmentMark | Failure | Done
+#: ``position``: a frame's seq; a mark's frame; ``Words``: the next frame's; ``Failure``/``Done``:
+#: last seq + 1. A resume after seq ``n`` replays every item with ``position > n``.
+OutItem = Frame | SegmentMark | Words | Failure | Done
+
+
+@dataclass(slots=True)
+class _PendingMark:
+    """A segment whose first frame is not numbered yet (and its words, once timed)."""
+
+    offset: int  # its first sample, at the output rate
+    text: str
+    words: Words | None = None
 
 
 class BufferOverflow(Exception):
@@ -100,7 +133,8 @@ class Outbox:
         self._next_seq = 0
         self._next_sample = 0  # output samples numbered so far
         self._native_in = 0  # native samples received so far
-        self._marks: deque[tuple[int, str]] = deque()  # (output sample offset, text)
+        self._marks: deque[_PendingMark] = deque()  # segments whose first frame is not numbered yet
+        self._segment_native = 0  # native sample where the newest segment starts
         self._max_unsent_samples = int(max_unsent_s * sample_rate)
         self._replay_max_samples = int(replay_max_s * sample_rate)
         self._replay_max_bytes = replay_max_bytes
@@ -139,8 +173,33 @@ class Outbox:
 
     def on_segment(self, text: str) -> None:
         """A new text segment starts with the next native sample."""
-        offset = self._native_in * self.sample_rate // NATIVE_SAMPLE_RATE
-        self._marks.append((offset, text))
+        self._segment_native = self._native_in
+        self._marks.append(_PendingMark(self._output_offset(self._native_in), text))
+
+    def on_words(self, words: Sequence[tuple[str, int, int]], native_length: int) -> None:
+        """The newest segment's words, as (text, start, end) in native samples from its start.
+
+        ``native_length``: the segment's whole length in native samples.
+
+        Call it before that segment's last samples go to :meth:`on_frames`: the words then
+        go out before the frame holding its last sample (right after its mark when the mark's
+        frame is not numbered yet, so a segment's mark always comes first).
+        """
+        base = self._segment_native
+        spans = tuple(
+            WordSpan(text, self._output_offset(base + start), self._output_offset(base + end))
+            for text, start, end in words
+        )
+        item = Words(
+            self._next_seq, self._output_offset(base), self._output_offset(base + native_length), spans
+        )
+        if self._marks:  # the newest segment's mark (those before it went out first)
+            self._marks[-1].words = item
+        else:
+            self._append(item)
+
+    def _output_offset(self, native: int) -> int:
+        return native * self.sample_rate // NATIVE_SAMPLE_RATE
 
     def on_frames(self, frames: list[EncodedFrame], native_samples: int) -> None:
         """Number frames encoded from ``native_samples`` more native-rate samples.
@@ -179,11 +238,13 @@ class Outbox:
             # last frame takes any marks left (segments too short to reach a frame).
             end = sample + frame.samples
             starts = False
-            while self._marks and (self._marks[0][0] < end or is_last):
-                mark_offset, text = self._marks.popleft()
+            while self._marks and (self._marks[0].offset < end or is_last):
+                mark = self._marks.popleft()
                 starts = True
-                at = min(mark_offset, max(sample, end - 1)) if frame.samples else sample
-                self._append(SegmentMark(seq, at, text))
+                at = min(mark.offset, max(sample, end - 1)) if frame.samples else sample
+                self._append(SegmentMark(seq, at, mark.text))
+                if mark.words is not None:
+                    self._append(dataclasses.replace(mark.words, position=seq))
             self._append(Frame(seq, frame.payload, sample, frame.samples, is_last, starts))
             self._next_seq += 1
             self._next_sample = end

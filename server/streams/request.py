@@ -17,6 +17,7 @@ class SpeechRequest:
         incremental: more text comes with ``append`` until ``end``.
         refine: run the model's refinement pass on each segment first.
         refine_prompt: its sentence-level controls (``[oral_2][laugh_0][break_6]``).
+        word_timestamps: time each segment's words (``Words`` items in the outbox).
     """
 
     name: str
@@ -33,6 +34,7 @@ class SpeechRequest:
     max_buffer_delay_ms: float | None = None
     refine: bool = False
     refine_prompt: str = ""
+    word_timestamps: bool = False
 
     @property
     def params(self) -> SynthesisParams:

@@ -32,6 +32,7 @@ from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
 from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
+from server.streams.timing import SegmentWords
 from server.text.segments import TextBuffer, has_speakable, split_segments
 from server.text.tags import problem as tag_problem
 from server.text.tags import refine_prompt_problem
@@ -85,6 +86,10 @@ class SpeechService:
     def voice_names(self, owner: str | None = None) -> tuple[str, ...]:
         """Every voice name ``owner`` may use: the engine's, then those made from recordings it sees."""
         return (*self.engine.info.voices, *(v.id for v in self.voices.all(owner)))
+
+    def knows_voice(self, voice: str) -> bool:
+        """Whether ``voice`` can be spoken: the engine's (``seed:``, speakers too) or a recording's."""
+        return self.voices.get(voice) is not None or self.engine.validate_voice(voice)
 
     # --- admission -------------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class SpeechService:
             pool=self._pool,
             generation=generation,
             text=text_feed,
+            words=SegmentWords() if request.word_timestamps else None,
             resumable=resumable,
             ttl_s=self.registry.ttl_s,
             on_complete=on_complete,

@@ -37,6 +37,7 @@ from server.errors import EngineFailed
 from server.metrics import Metrics
 from server.streams.incremental import TextFeed
 from server.streams.outbox import BufferOverflow, Frame, Outbox, OutItem
+from server.streams.timing import SegmentWords
 
 log = logging.getLogger(__name__)
 _ROUTE = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -101,6 +102,7 @@ class Stream:
         pool: Executor,
         generation: Generation | None = None,
         text: TextFeed | None = None,
+        words: SegmentWords | None = None,
         resumable: bool = True,
         ttl_s: float = 0.0,
         on_complete: Callable[[Stream], None] | None = None,
@@ -119,11 +121,14 @@ class Stream:
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).
         self.text = text
+        #: Times each segment's words (streams that asked for word timestamps only).
+        self._words = words
         self.resumable = resumable
         #: How long it waits for a resume once detached, or lingers once delivered (0: freed at once).
         self._ttl_s = ttl_s
         self._generation = generation
         self._pool = pool if encoder.format in CPU_HEAVY_FORMATS else None
+        self._word_pool = pool
         self._metrics = metrics
         self._on_complete = on_complete
         self._on_freed = on_freed
@@ -303,6 +308,8 @@ class Stream:
             if self._state in (StreamState.EXPIRED, StreamState.CLOSED):
                 return
             if isinstance(event, Audio):
+                if self._words is not None:
+                    await self._time_words(event)
                 if self._pool is None:
                     frames = encoder.push(event.samples)
                 else:
@@ -314,8 +321,21 @@ class Stream:
                         self._lease.abort("too much unsent audio")
             elif isinstance(event, SegmentStarted):
                 outbox.on_segment(event.text)
+                if self._words is not None:
+                    self._words.start(event.text)
             else:
                 await self._end(event)
+
+    async def _time_words(self, event: Audio) -> None:
+        """Keep the segment's audio; at its end, time its words before its last frames go out."""
+        assert self._words is not None
+        self._words.add(event.samples)
+        if event.segment_end:
+            # The aligner is CPU work (energy and a dynamic programme): off the event loop.
+            words, length = await asyncio.get_running_loop().run_in_executor(
+                self._word_pool, self._words.finish
+            )
+            self.outbox.on_words(words, length)
 
     async def _end(self, event: Ended) -> None:
         if self._pool is None:

@@ -275,7 +275,7 @@ def test_the_transcript_uses_word_timings_when_the_server_sends_them() -> None:
     from chattts_stream_client.livekit import _Transcript
 
     def chunk(
-        sample: int, segments: tuple[cs.Segment, ...] = (), words: tuple[cs.WordTiming, ...] = ()
+        sample: int, segments: tuple[cs.Segment, ...] = (), words: tuple[cs.Word, ...] = ()
     ) -> cs.AudioChunk:
         return cs.AudioChunk(b"\0\0", 0, sample, False, segments, 0.0, words)
 
@@ -294,10 +294,10 @@ def test_the_transcript_uses_word_timings_when_the_server_sends_them() -> None:
         chunk(
             0,
             (cs.Segment("Hello there.", 0, 0),),
-            (cs.WordTiming("Hello", 1200, 6000), cs.WordTiming("there", 6000, 12000)),
+            (cs.Word("Hello", 1200, 6000), cs.Word("there", 6000, 12000)),
         )
     )
     assert [(t, t.start_time, t.end_time) for t in timed] == [("Hello", 0.05, 0.25), (" there", 0.25, 0.5)]
     # Once words come, segment marks would repeat their text: they are left out.
     assert words.of(chunk(24_000, (cs.Segment("Next.", 1, 24_000),))) == []
-    assert [str(t) for t in words.of(chunk(24_000, (), (cs.WordTiming("下", 24_000, 30_000),)))] == ["下"]
+    assert [str(t) for t in words.of(chunk(24_000, (), (cs.Word("下", 24_000, 30_000),)))] == ["下"]

@@ -13,6 +13,7 @@ from pipecat.frames.frames import (
     LLMTextFrame,
     TTSAudioRawFrame,
     TTSSpeakFrame,
+    TTSTextFrame,
 )
 from pipecat.tests.utils import SleepFrame, run_test
 
@@ -20,6 +21,7 @@ from chattts_stream_client.pipecat import ChatTTSStreamTTSService
 from server.app import App
 from server.engine.fake import FakeEngine
 from tests.integration.test_incremental import ANSWER, llm_tokens
+from tests.integration.timed_words import our_words, ours, pipecat_words, same_times
 from tests.wsclient import stream_payload
 
 
@@ -109,3 +111,28 @@ async def test_each_turn_and_each_speak_frame_is_one_stream(app: App) -> None:
     ]
     # One stream per turn (and per speak frame), each ended by the turn's end: 3 + the 3 references.
     assert 'chattts_streams_total{reason="complete"} 6.0' in app.metrics.render().decode()
+
+
+async def test_each_word_is_timed_by_the_server_and_an_interruption_keeps_the_first_ones(
+    make_app: Any,
+) -> None:
+    app = await make_app()
+    tts = ChatTTSStreamTTSService(url=url(app), seed=9)
+    down, _ = await run_test(tts, frames_to_send=[*llm_answer(ANSWER), SleepFrame(1.0)])
+    # The turn's text frames are the server's words, at the server's times (pipecat's pts clock).
+    same_times(pipecat_words(down), our_words(await ours(app, ANSWER)), offset=True)
+    # Slower than real time: the interruption comes mid-answer; the words kept are the first ones,
+    # each inside the audio that went out before it.
+    slow = await make_app("--fake-step-ms", "500", "--segment-lookahead", "0", "--cache-bytes", "0")
+    tts = ChatTTSStreamTTSService(url=url(slow), seed=9)
+    answer = " ".join(f"This is sentence {n} of a long answer." for n in ["one", "two", "three", "four"])
+    frames = [*llm_answer(answer), SleepFrame(5.0), InterruptionFrame(), SleepFrame(1.0)]
+    down, _ = await run_test(tts, frames_to_send=frames)
+    cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
+    played = sum(len(f.audio) for f in down[:cut] if isinstance(f, TTSAudioRawFrame)) / 2 / 24_000
+    kept = [f for f in down[:cut] if isinstance(f, TTSTextFrame)]
+    words = answer.replace(".", "").split()
+    assert 0 < len(kept) < len(words) and [f.text for f in kept] == words[: len(kept)]
+    assert all(not isinstance(f, TTSTextFrame) for f in down[cut:])
+    assert all(f.pts is not None and kept[0].pts is not None for f in kept)
+    assert all((f.pts - kept[0].pts) / 1e9 < played for f in kept if f.pts and kept[0].pts)

@@ -28,7 +28,7 @@ from chattts_stream_client.errors import (
 )
 from chattts_stream_client.stream import SpeechStream
 from chattts_stream_client.sync import SyncClient
-from chattts_stream_client.wire import AudioChunk, Done, Segment, WordTiming
+from chattts_stream_client.wire import AudioChunk, Done, Segment, Word
 
 __all__ = [
     "AudioChunk",
@@ -55,5 +55,5 @@ __all__ = [
     "Unauthorized",
     "UnknownStream",
     "Unsupported",
-    "WordTiming",
+    "Word",
 ]

@@ -309,6 +309,8 @@ class Client:
             self._spawn(stream._send_text())
         elif kind == "segment" and stream is not None:
             stream._on_segment(message)
+        elif kind == "words" and stream is not None:
+            stream._on_words(message)
         elif kind == "done" and stream is not None:
             stream._on_done(message)
             self._forget(stream)

@@ -8,7 +8,10 @@ answer); the turn's end (:meth:`flush_audio`) is the stream's ``end``. The
 turn's pcm16 chunks go into its audio context as ``TTSAudioRawFrame``s while
 they are generated, from one reader task per turn. An interruption cancels
 the turn's stream on the server at once (the engine row is freed), and a
-lost connection is resumed by the client without a gap or lost text.
+lost connection is resumed by the client without a gap or lost text. Each word's
+time comes from the server (``word_timestamps``) and goes to pipecat's
+``add_word_timestamps``, so the turn's text frames follow the voice and an
+interrupted turn keeps only the words that were spoken.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class ChatTTSStreamTTSService(TTSService):
         seed: int | None = None,
         speed: float | None = None,
         max_buffer_delay_ms: int | None = None,
+        word_timestamps: bool = True,
         client_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -63,6 +67,9 @@ class ChatTTSStreamTTSService(TTSService):
             speed: 0.5 to 2.0.
             max_buffer_delay_ms: speak a clause after this long without text (None: the
                 server's default).
+            word_timestamps: report each word's time (``add_word_timestamps``), so that the
+                turn's text frames follow the voice and an interrupted turn keeps only the
+                words spoken; False: pipecat pushes the text itself, untimed.
             client_options: further :class:`~chattts_stream_client.Client` arguments.
             **kwargs: :class:`~pipecat.services.tts_service.TTSService` arguments.
         """
@@ -72,6 +79,8 @@ class ChatTTSStreamTTSService(TTSService):
             sample_rate=sample_rate,
             push_start_frame=True,
             push_stop_frames=True,
+            # With word times, the text frames are ours (timed); pipecat must not push its own.
+            push_text_frames=not word_timestamps,
             settings=TTSSettings(model="chattts", voice=voice, language=None),
             **kwargs,
         )
@@ -80,6 +89,7 @@ class ChatTTSStreamTTSService(TTSService):
         self._seed = seed
         self._speed = speed
         self._max_buffer_delay_ms = max_buffer_delay_ms
+        self._word_timestamps = word_timestamps
         self._turns: dict[str, _Turn] = {}
 
     @property
@@ -143,6 +153,7 @@ class ChatTTSStreamTTSService(TTSService):
             format="pcm16",
             max_buffer_delay_ms=self._max_buffer_delay_ms,
             speed=self._speed,  # a start field (None: left out)
+            word_timestamps=self._word_timestamps or None,
         )
         # Owned by pipecat's task manager (which reports its failures), cancelled in _close_turn.
         turn = _Turn(stream, self.create_task(self._play(stream, context_id), f"turn-{context_id}"))
@@ -153,6 +164,9 @@ class ChatTTSStreamTTSService(TTSService):
         """The turn's audio into its audio context as it comes, then the context's end."""
         try:
             async for chunk in stream:
+                if chunk.words:  # seconds from the turn's first sample: pipecat's word clock
+                    times = [(w.text, w.start / self._rate) for w in chunk.words]
+                    await self.add_word_timestamps(times, context_id)
                 if chunk.data:
                     frame = TTSAudioRawFrame(chunk.data, self._rate, 1, context_id=context_id)
                     await self.append_to_audio_context(context_id, frame)

@@ -13,7 +13,7 @@ from chattts_stream_client.errors import (
     ProtocolViolation,
     StreamTimeout,
 )
-from chattts_stream_client.wire import AudioChunk, Done, FrameHeader, Segment
+from chattts_stream_client.wire import AudioChunk, Done, FrameHeader, Segment, Word
 
 if TYPE_CHECKING:
     from chattts_stream_client.client import Client
@@ -59,6 +59,10 @@ class SpeechStream:
         self.segments: list[Segment] = []
         self._pending_segments: dict[int, list[Segment]] = {}
         self._segment_keys: set[tuple[int, int]] = set()
+        #: Every word timed so far, in order, each once (``word_timestamps`` streams).
+        self.words: list[Word] = []
+        self._pending_words: dict[int, list[Word]] = {}
+        self._word_keys: set[tuple[int, int]] = set()
         #: Text messages (append/flush/end) the server may not have: those sent since the last
         #: ``resumed`` that counted them (or since ``start``), then those not sent yet. A
         #: connection can break with the first still in flight; ``resumed.text_received``
@@ -234,6 +238,15 @@ class SpeechStream:
         self.segments.append(segment)
         self._pending_segments.setdefault(key[0], []).append(segment)
 
+    def _on_words(self, message: dict[str, Any]) -> None:
+        key = (int(message["seq"]), int(message.get("sample", 0)))
+        if key in self._word_keys or key[0] <= self.last_seq:
+            return  # replayed after a resume: taken once
+        self._word_keys.add(key)
+        words = [Word(str(w["text"]), int(w["start"]), int(w["end"])) for w in message.get("words", ())]
+        self.words += words
+        self._pending_words.setdefault(key[0], []).extend(words)
+
     async def _on_frame(self, header: FrameHeader, payload: bytes, received_at: float) -> None:
         """Take a frame once, in seq order.
 
@@ -251,7 +264,8 @@ class SpeechStream:
         if self.first_chunk_at is None:
             self.first_chunk_at = received_at
         segments = tuple(self._pending_segments.pop(header.seq, ()))
-        chunk = AudioChunk(payload, header.seq, header.sample, header.last, segments, received_at)
+        words = tuple(self._pending_words.pop(header.seq, ()))
+        chunk = AudioChunk(payload, header.seq, header.sample, header.last, segments, received_at, words)
         await self._queue.put(chunk)  # bounded: a slow consumer slows the connection's reader
 
     def _on_error(self, error: ChatTTSStreamError) -> None:

@@ -59,13 +59,11 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
-class WordTiming:
-    """A spoken word and its samples, for captions that follow the voice and cut-off transcripts.
+class Word:
+    """A spoken word and its samples (``start`` ≤ sample < ``end``, from the stream start).
 
-    Attributes:
-        text: the word as spoken (numbers spelled out; a Chinese character is a word).
-        start: its first sample's offset from the stream start (output rate).
-        end: the offset just past its last sample.
+    Streams started with ``word_timestamps=True`` get each segment's words no later than the
+    chunk holding the segment's last sample (numbers as spoken: "3" is "three").
     """
 
     text: str
@@ -85,8 +83,8 @@ class AudioChunk:
         last: the stream's last frame.
         segments: text segments whose first sample lies in this frame.
         received_at: ``time.perf_counter()`` when the frame was read from the socket.
-        words: word timings that arrived with this frame, from a server that sends them
-            (docs/protocol.md, "Word timestamps"); empty otherwise.
+        words: words timed before this frame (``word_timestamps`` streams): a segment's
+            words come with a chunk at or before the one holding its last sample.
     """
 
     data: bytes
@@ -95,7 +93,7 @@ class AudioChunk:
     last: bool
     segments: tuple[Segment, ...]
     received_at: float
-    words: tuple[WordTiming, ...] = ()
+    words: tuple[Word, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

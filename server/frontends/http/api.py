@@ -41,6 +41,8 @@ from server.frontends.common import (
     abort_transport,
     send_within,
 )
+from server.frontends.elevenlabs.routes import PREFIX as ELEVENLABS_PREFIX
+from server.frontends.elevenlabs.routes import ElevenLabsApi
 from server.frontends.http.accesslog import RedactedAccessLogger
 from server.frontends.http.common import (
     CLIENT,
@@ -172,6 +174,7 @@ class HttpApi:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.Server | None = None
         self.port: int | None = None  # bound port once started; None when off
+        self.elevenlabs: ElevenLabsApi | None = None  # its routes (--elevenlabs)
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on ``sock`` (bound by the app, so that a busy port fails before the model loads)."""
@@ -182,6 +185,9 @@ class HttpApi:
         web_app.router.add_get("/v1/audio/voices", self.voices)
         VoicesApi(self.service, s, self.metrics).add_routes(web_app)
         web_app.on_response_prepare.append(self.cors.on_response_prepare)
+        if self.settings.elevenlabs:  # ElevenLabs' API beside OpenAI's, on the same base URL
+            self.elevenlabs = ElevenLabsApi(self.service, self.info, self.gate, self.settings, self.metrics)
+            self.elevenlabs.add_routes(web_app)
         # handler_cancellation: a client that disconnects cancels its handler at once, even
         # while the handler waits for audio, so its generation stops within one block.
         self._runner = web.AppRunner(
@@ -208,6 +214,11 @@ class HttpApi:
         self.port = int(sock.getsockname()[1])
         log.info("OpenAI-compatible HTTP on http://%s:%d/v1", s.host, self.port)
 
+    async def close_idle(self) -> None:
+        """A drain started: close the ElevenLabs WebSockets that have no context."""
+        if self.elevenlabs is not None:
+            await self.elevenlabs.close_idle()
+
     async def stop(self) -> None:
         """Stop listening; responses still running are cancelled (their streams freed)."""
         if self._server is not None:
@@ -222,6 +233,8 @@ class HttpApi:
         """CORS preflights; API keys and origins as on the WebSocket; aiohttp's errors in OpenAI's shape."""
         if (answer := self.cors.preflight(request)) is not None:
             return answer
+        if request.path.startswith(ELEVENLABS_PREFIX) and self.elevenlabs is not None:
+            return await handler(request)  # its own key (xi-api-key, or a WebSocket's first message)
         try:
             request[CLIENT] = self.gate.admit(request.path_qs, request.headers, request.remote or "?")
         except AccessDenied as denied:

@@ -33,7 +33,7 @@ from server.frontends.websocket.wire import (
 )
 from server.metrics import Metrics
 from server.streams.limits import TokenBucket
-from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark
+from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark, Words
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
 
@@ -271,6 +271,8 @@ class ConnectionProtocol:
         name = attachment.stream.name
         if isinstance(item, SegmentMark):
             return wire.segment(name, attachment.slot, item)
+        if isinstance(item, Words):
+            return wire.words(name, attachment.slot, item)
         if isinstance(item, Failure):
             err = wire.wire_error(item.error, name=name)
             self._metrics.errors.labels(code=err.code).inc()

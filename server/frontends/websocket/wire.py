@@ -21,7 +21,7 @@ from server import errors
 from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
 from server.frontends.nesting import TooDeep, check_nesting
-from server.streams.outbox import Done, Frame, SegmentMark
+from server.streams.outbox import Done, Frame, SegmentMark, Words
 from server.streams.request import SpeechRequest
 
 PROTOCOL_VERSION: Final = 1
@@ -94,6 +94,7 @@ class Start(_Message, tag="start", frozen=True):
     max_buffer_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] | None = None
     refine: bool = False
     refine_prompt: RefinePrompt = ""
+    word_timestamps: bool = False
 
 
 class Cancel(_Message, tag="cancel", frozen=True):
@@ -190,6 +191,7 @@ def speech_request(msg: Start) -> SpeechRequest:
         max_buffer_delay_ms=msg.max_buffer_delay_ms,
         refine=msg.refine,
         refine_prompt=msg.refine_prompt,
+        word_timestamps=msg.word_timestamps,
     )
 
 
@@ -284,6 +286,22 @@ def segment(name: str, slot: int, mark: SegmentMark) -> str:
             "seq": mark.position,
             "sample": mark.sample,
             "text": mark.text,
+        }
+    )
+
+
+def words(name: str, slot: int, item: Words) -> str:
+    """A segment's words and their sample spans (streams started with ``word_timestamps``)."""
+    spans = [{"text": w.text, "start": w.start, "end": w.end} for w in item.words]
+    return encode(
+        {
+            "type": "words",
+            "id": name,
+            "slot": slot,
+            "seq": item.position,
+            "sample": item.start,
+            "end": item.end,
+            "words": spans,
         }
     )
 

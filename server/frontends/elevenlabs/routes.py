@@ -1,0 +1,286 @@
+"""ElevenLabs' text-to-speech API on the HTTP API's port: its routes, access, bounds and drain.
+
+``/v1/text-to-speech/{voice_id}/stream-input`` and ``/multi-stream-input`` (WebSockets) and
+``POST /v1/text-to-speech/{voice_id}``, ``/stream``, ``/stream/with-timestamps`` (REST), beside
+the OpenAI endpoint, so that every ElevenLabs integration (pipecat, LiveKit, ElevenLabs' SDKs)
+speaks ChatTTS by changing its base URL. The key is ElevenLabs' ``xi-api-key`` header (or the
+WebSocket's first message's ``xi_api_key``; ``Authorization: Bearer`` works too), checked
+against our API keys by the same gate as every front end; voices are ours (``default``,
+``seed:<n>``, OpenAI's names, voices from recordings), an unknown one answered as ElevenLabs
+does (404 ``voice_not_found``). Refusals use ElevenLabs' shape ``{"detail": {"status",
+"message"}}`` with our codes. WebSockets count against ``--max-connections`` (and the per-client
+cap); a drain closes idle ones with 1012 and refuses new ones (503).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Final
+
+from aiohttp import web
+
+from server.config import Settings
+from server.errors import ServiceError
+from server.frontends.access import AccessDenied, AccessGate, tenant_of
+from server.frontends.codes import code_of
+from server.frontends.common import ServerInfo, abort_transport
+from server.frontends.elevenlabs import rest
+from server.frontends.elevenlabs.formats import (
+    ElevenLabsError,
+    OutputFormat,
+    output_format,
+    unknown_voice,
+    voice_of,
+)
+from server.frontends.elevenlabs.session import ElevenLabsSession, SocketOptions
+from server.frontends.elevenlabs.socket import ElevenLabsSocket
+from server.frontends.http.common import STATUS
+from server.metrics import Metrics
+from server.streams.service import SpeechService
+from server.streams.stream import Lease
+
+log = logging.getLogger(__name__)
+PREFIX: Final = "/v1/text-to-speech/"
+#: ElevenLabs' ``inactivity_timeout``: 20 s by default, at most 180.
+INACTIVITY_S: Final = (20, 180)
+
+
+def error_response(error: ElevenLabsError, metrics: Metrics) -> web.Response:
+    """A refusal in ElevenLabs' shape (counted by code)."""
+    metrics.errors.labels(code=error.code).inc()
+    return web.json_response(error.body(), status=error.status, headers={"Cache-Control": "no-store"})
+
+
+def service_refusal(exc: ServiceError) -> ElevenLabsError:
+    """A domain error as ElevenLabs' answer (our wire code as its ``status``)."""
+    code = code_of(exc)
+    return ElevenLabsError(STATUS.get(code, 500), code, exc.message)
+
+
+class ElevenLabsApi:
+    """The ElevenLabs routes, added to the HTTP API's aiohttp application."""
+
+    def __init__(
+        self, service: SpeechService, info: ServerInfo, gate: AccessGate, settings: Settings, metrics: Metrics
+    ) -> None:
+        self.service = service
+        self.info = info
+        self.gate = gate
+        self.settings = settings
+        self.metrics = metrics
+        self.sockets: set[ElevenLabsSocket] = set()
+        self._seed = settings.elevenlabs_seed if settings.elevenlabs_seed >= 0 else None
+
+    def add_routes(self, app: web.Application) -> None:
+        """Serve the WebSocket and REST routes on ``app``."""
+        app.router.add_get(PREFIX + "{voice_id}/stream-input", self.stream_input)
+        app.router.add_get(PREFIX + "{voice_id}/multi-stream-input", self.multi_stream_input)
+        app.router.add_post(PREFIX + "{voice_id}", self.speech)
+        app.router.add_post(PREFIX + "{voice_id}/stream", self.speech)
+        app.router.add_post(PREFIX + "{voice_id}/stream/with-timestamps", self.speech_with_timestamps)
+        app.on_shutdown.append(self._shut_down)
+
+    # --- access and the URL ----------------------------------------------------------
+
+    def _admit(self, request: web.Request, key: str | None = None) -> str:
+        """The client's identity; ``xi-api-key`` (or ``key``, from a first message) is its API key.
+
+        Raises:
+            AccessDenied: no valid key, or an origin not allowed.
+        """
+        headers: Mapping[str, str] = request.headers
+        key = key or headers.get("xi-api-key")
+        if key:
+            headers = {**headers, "X-API-Key": key}
+        return self.gate.admit(request.path_qs, headers, request.remote or "?")
+
+    def _voice(self, request: web.Request) -> str:
+        voice_id = request.match_info["voice_id"]
+        voice = voice_of(voice_id)
+        if not self.service.knows_voice(voice):
+            raise unknown_voice(voice_id)
+        return voice
+
+    def _output(self, request: web.Request) -> OutputFormat:
+        return output_format(request.query.get("output_format"))
+
+    def _denied(self, denied: AccessDenied) -> ElevenLabsError:
+        if denied.kind == "unauthorized":
+            return ElevenLabsError(401, "invalid_api_key", "Invalid API key: send it as xi-api-key")
+        return ElevenLabsError(403, "forbidden", denied.message)
+
+    # --- REST -----------------------------------------------------------------------
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/text-to-speech/{voice_id}`` and ``/stream``: the audio, as it is made."""
+        return await self._speech(request, timestamps=False)
+
+    async def speech_with_timestamps(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/text-to-speech/{voice_id}/stream/with-timestamps``: JSON lines, audio and alignment."""
+        return await self._speech(request, timestamps=True)
+
+    async def _speech(self, request: web.Request, *, timestamps: bool) -> web.StreamResponse:
+        lease = Lease(lambda reason: self._abort(request, reason))
+        try:
+            client = self._admit(request)
+            self.service.check_accepting()
+            voice, output = self._voice(request), self._output(request)
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                max_bytes = self.settings.max_message_bytes
+                raise ElevenLabsError(413, "bad_request", f"request body over {max_bytes} bytes") from None
+            body = rest.parse_body(raw)
+            stream = self.service.open(
+                rest.speech_request(body, voice, output, self._seed),
+                lease,
+                resumable=False,
+                client=client,
+                owner=tenant_of(client),
+            )
+        except AccessDenied as denied:
+            return error_response(self._denied(denied), self.metrics)
+        except ElevenLabsError as err:
+            return error_response(err, self.metrics)
+        except ServiceError as exc:
+            return error_response(service_refusal(exc), self.metrics)
+        try:
+            return await rest.send_stream(
+                request,
+                stream,
+                lease,
+                output,
+                timestamps=timestamps,
+                send_timeout_s=self.settings.send_timeout_s,
+                abort=lambda reason: self._abort(request, reason),
+                on_error=lambda exc: error_response(service_refusal(exc), self.metrics),
+                on_bytes=self.metrics.bytes_sent.inc,
+            )
+        except rest.ClientGone:
+            return web.Response()  # never sent: aiohttp finds the connection gone
+        finally:
+            self.service.abandon(stream)  # HTTP streams cannot be resumed: freed at once
+
+    def _abort(self, request: web.Request, reason: str) -> None:
+        abort_transport(request.transport, self.metrics, f"ElevenLabs request from {request.remote}", reason)
+
+    # --- WebSockets -------------------------------------------------------------------
+
+    async def stream_input(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/text-to-speech/{voice_id}/stream-input``: one context, until its text ends."""
+        return await self._socket(request, multi=False)
+
+    async def multi_stream_input(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/text-to-speech/{voice_id}/multi-stream-input``: contexts by ``context_id``."""
+        return await self._socket(request, multi=True)
+
+    async def _socket(self, request: web.Request, *, multi: bool) -> web.StreamResponse:
+        s = self.settings
+        try:
+            client = self._handshake_client(request)
+            self.service.check_accepting()
+            options = SocketOptions(
+                multi=multi,
+                voice=self._voice(request),
+                output=self._output(request),
+                auto_mode=request.query.get("auto_mode", "false").lower() == "true",
+                seed=self._query_seed(request),
+                max_contexts=self.info.max_streams,
+            )
+            if len(self.sockets) >= s.max_connections:
+                raise ElevenLabsError(503, "too_many_connections", "too many connections")
+        except AccessDenied as denied:
+            return error_response(self._denied(denied), self.metrics)
+        except ElevenLabsError as err:
+            return error_response(err, self.metrics)
+        except ServiceError as exc:
+            return error_response(service_refusal(exc), self.metrics)
+        identity = client or f"ip:{request.remote}"  # the per-client cap before the key is known
+        limiter = self.service.limiter
+        if not limiter.open_connection(identity):
+            return error_response(
+                ElevenLabsError(429, "too_many_connections", "too many connections"), self.metrics
+            )
+        try:
+            return await self._serve(request, options, client)
+        finally:
+            limiter.close_connection(identity)
+
+    async def _serve(
+        self, request: web.Request, options: SocketOptions, client: str | None
+    ) -> web.StreamResponse:
+        s = self.settings
+        ws = web.WebSocketResponse(max_msg_size=s.max_message_bytes, heartbeat=20.0, compress=False)
+        await ws.prepare(request)
+
+        def admit_key(key: str | None) -> str:
+            try:
+                return self._admit(request, key)
+            except AccessDenied as denied:
+                raise PermissionError(self._denied(denied).message) from None
+
+        session = ElevenLabsSession(
+            self.service,
+            options,
+            client=client,
+            admit_key=admit_key,
+            abort=lambda reason: socket.abort(reason),
+            count_error=lambda code: self.metrics.errors.labels(code=code).inc(),
+        )
+        inactivity = self._inactivity_s(request)
+        socket = ElevenLabsSocket(
+            request,
+            ws,
+            session,
+            send_timeout_s=s.send_timeout_s,
+            inactivity_s=inactivity,
+            metrics=self.metrics,
+        )
+        self.sockets.add(socket)
+        try:
+            await socket.run()
+        finally:
+            self.sockets.discard(socket)
+        return ws
+
+    def _handshake_client(self, request: web.Request) -> str | None:
+        """The client, when the handshake carries a key (or none is needed); None: the first message's.
+
+        Raises:
+            AccessDenied: a key that is not valid, or an origin not allowed.
+        """
+        has_key = "xi-api-key" in request.headers or "Authorization" in request.headers
+        if self.gate.api_keys.required and not has_key and "api_key" not in request.query:
+            return None
+        return self._admit(request)
+
+    def _query_seed(self, request: web.Request) -> int | None:
+        text = request.query.get("seed")
+        if text is None:
+            return self._seed
+        if not text.isdigit() or int(text) > 2**63 - 1:
+            raise ElevenLabsError(
+                400, "bad_request", f"seed must be an integer from 0 to 2^63-1, not {text!r}"
+            )
+        return int(text)
+
+    @staticmethod
+    def _inactivity_s(request: web.Request) -> float:
+        text = request.query.get("inactivity_timeout", "")
+        default, most = INACTIVITY_S
+        return float(min(most, max(1, int(text)))) if text.isdigit() else float(default)
+
+    # --- drain and stop -------------------------------------------------------------------
+
+    async def close_idle(self) -> None:
+        """A drain started: close the sockets that have no context."""
+        for socket in list(self.sockets):
+            await socket.close_if_idle()
+
+    async def _shut_down(self, app: web.Application) -> None:
+        """The HTTP API stops: close every socket (1012); running contexts are cut."""
+        for socket in list(self.sockets):
+            with contextlib.suppress(ConnectionError):
+                await socket.shut_down()
