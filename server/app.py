@@ -1,10 +1,8 @@
 """The server process: start-up, serving, drain and shutdown, each one readable sequence.
 
-``App`` is the composition root: it builds the engine client, the service and
-the front ends (WebSocket ``connection``, OpenAI-compatible ``http_api``,
-Wyoming ``wyoming_api``) and
-hands each what it needs; nothing reaches back into it. :meth:`App.start`
-and :meth:`App.stop` read top to bottom as the steps they take.
+``App`` is the composition root: it builds the engine client, the service and the front ends
+(``server.frontends``) and hands each what it needs; nothing reaches back into it.
+:meth:`App.start` and :meth:`App.stop` read top to bottom as the steps they take.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from server.frontends.websocket.guarded import guarded_connections
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
 from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
+from server.sockets import bind_socket
 from server.streams.service import SpeechService
 from server.voices.library import settings_problem
 
@@ -250,27 +249,7 @@ class App:
         await self.drain()
 
     def _bind(self, port: int, flag: str) -> socket.socket:
-        """A socket bound to ``port`` (not yet listening).
-
-        Raises:
-            StartupError: the port cannot be bound.
-        """
-        host = self.settings.host
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            sock = socket.socket(family, kind, proto)
-        except OSError as exc:
-            raise StartupError(f"cannot listen on {host}:{port} (--host): {exc.strerror or exc}") from None
-        self._sockets.append(sock)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-        except OSError as exc:
-            raise StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
-        sock.setblocking(False)
-        return sock
+        return bind_socket(self.settings.host, port, flag, self._sockets)
 
     def _bind_http(self) -> socket.socket | None:
         """The HTTP API's socket: ``--http-port``; by default the WebSocket port + 1 (0 = off).

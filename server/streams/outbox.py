@@ -1,12 +1,10 @@
 """One stream's output in order, numbered and bounded: what every front end reads and replays.
 
-An :class:`Outbox` turns a stream's encoded frames, segment starts and end
-into the ordered items a client must receive: :class:`SegmentMark`,
-:class:`Frame` (seq, sample offset, payload), :class:`Failure` and
-:class:`Done`. They are plain values in no wire format (the front ends render
-them). The items stay in a bounded replay buffer, so that a sender can fall
-behind and a client that reconnects can resume from any seq still held.
-No sockets, no model, no encoder here.
+An :class:`Outbox` turns a stream's encoded frames, segment starts and end into the ordered
+items a client must receive: :class:`SegmentMark`, :class:`Frame` (seq, sample offset,
+payload), :class:`Failure` and :class:`Done` (and a segment's ``Words``): plain values in no
+wire format (the front ends render them), in a bounded replay buffer, so that a sender can
+fall behind and a client that reconnects can resume from any seq held. No sockets, no model.
 """
 
 from __future__ import annotations
