@@ -4,7 +4,7 @@ One process serves up to three ports (WebSocket, HTTP, Wyoming), and all of them
 open-files limit (``RLIMIT_NOFILE``). A port that let every connection in could use up the
 fds, and then every other port fails to accept (the WebSocket's ``/health`` too). So each port
 gets a :class:`PortGuard`: at most its cap of connections at once, the cap being
-``--max-connections`` within the port's share of the fds (:func:`port_share`), and optionally
+``--max-connections`` within the port's share of the fds (:func:`port_caps`), and optionally
 at most ``--max-connections-per-client`` per client. A connection over a cap is answered at
 once with the port's own refusal (an HTTP 503, a Wyoming ``error`` event), then closed, so
 the client sees why instead of a hung connect.
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Final, Protocol, cast
 
 from server.config import Settings
+from server.frontends.access import client_identity
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Admit the connection to ``inner``, or refuse it."""
-        client = "ip:" + peer_ip(transport) if self._per_client else None
+        client = client_identity(None, peer_ip(transport)) if self._per_client else None
         if (why := self._guard.admit(client)) is not None:
             self._refused = refuse(transport, self._answer(why), self._guard)
             return
