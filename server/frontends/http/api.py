@@ -41,7 +41,7 @@ from server.frontends.common import (
     abort_transport,
     send_within,
 )
-from server.frontends.http.accesslog import RedactedAccessLogger
+from server.frontends.http.accesslog import SERVER_LOG, RedactedAccessLogger
 from server.frontends.http.common import (
     CLIENT,
     counted_error,
@@ -191,6 +191,7 @@ class HttpApi:
             keepalive_timeout=s.header_timeout_s,
             lingering_time=min(10.0, s.body_timeout_s),
             access_log_class=RedactedAccessLogger,
+            logger=SERVER_LOG,
         )
         await self._runner.setup()
         server = self._runner.server
