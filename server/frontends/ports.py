@@ -4,7 +4,7 @@ One process serves up to three ports (WebSocket, HTTP, Wyoming), and all of them
 open-files limit (``RLIMIT_NOFILE``). A port that let every connection in could use up the
 fds, and then every other port fails to accept (the WebSocket's ``/health`` too). So each port
 gets a :class:`PortGuard`: at most its cap of connections at once, the cap being
-``--max-connections`` within the port's share of the fds (:func:`port_share`), and optionally
+``--max-connections`` within the port's share of the fds (:func:`port_caps`), and optionally
 at most ``--max-connections-per-client`` per client. A connection over a cap is answered at
 once with the port's own refusal (an HTTP 503, a Wyoming ``error`` event), then closed, so
 the client sees why instead of a hung connect.
@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import logging
 import resource
+import time
 from collections.abc import Callable
 from typing import Final, Protocol, cast
 
 from server.config import Settings
+from server.frontends.access import client_identity
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 LINGER_S: Final = 1.0
 #: Refused connections lingering at once per port, at most; more are closed at once.
 MAX_LINGERING: Final = 32
+#: A port logs its refusals once per this many seconds at most.
+LOG_EVERY_S: Final = 10.0
 
 
 def raise_fd_limit() -> int:
@@ -134,6 +138,8 @@ class PortGuard:
         self.lingering = 0
         self._counts = counts
         self._on_refused = on_refused
+        self._logged_at = -LOG_EVERY_S
+        self._unlogged = 0
 
     def admit(self, client: str | None) -> str | None:
         """Count a new connection from ``client`` (None: not counted per client).
@@ -141,13 +147,21 @@ class PortGuard:
         Returns None when admitted, else why not (``"the port is full"`` …), not counted.
         """
         if self.open >= self.cap:
-            self._on_refused("too_many_connections")
-            return f"the {self.name} port is at its {self.cap} connections"
+            return self._refuse(f"the {self.name} port is at its {self.cap} connections")
         if client is not None and self._counts is not None and not self._counts.open_connection(client):
-            self._on_refused("too_many_connections")
-            return "too many connections from this client"
+            return self._refuse("too many connections from this client")
         self.open += 1
         return None
+
+    def _refuse(self, why: str) -> str:
+        """Count a refusal; log one line per :data:`LOG_EVERY_S` at most (a flood must not flood the log)."""
+        self._on_refused("too_many_connections")
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            log.warning("%s port refused %d connections (the last: %s)", self.name, self._unlogged, why)
+            self._logged_at, self._unlogged = now, 0
+        return why
 
     def release(self, client: str | None) -> None:
         """An admitted connection from ``client`` ended."""
@@ -207,9 +221,8 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Admit the connection to ``inner``, or refuse it."""
-        client = "ip:" + peer_ip(transport) if self._per_client else None
+        client = client_identity(None, peer_ip(transport)) if self._per_client else None
         if (why := self._guard.admit(client)) is not None:
-            log.info("%s connection from %s refused: %s", self._guard.name, peer_ip(transport), why)
             self._refused = refuse(transport, self._answer(why), self._guard)
             return
         self._client = client

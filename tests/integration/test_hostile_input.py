@@ -153,6 +153,16 @@ def multipart(*parts: tuple[str, dict[str, str], bytes]) -> tuple[bytes, str]:
             "unknown charset 'x-no-such-charset'",
         ),
         (
+            [("transcript", {"Content-Type": "text/plain; charset=base64"}, b"aGk=")],
+            "transcript",
+            "unknown charset 'base64'",  # a codec, but no text encoding
+        ),
+        (
+            [("name", {}, b"n" * 17_000)],
+            "name",
+            "name: too long: at most 16384 bytes",
+        ),
+        (
             [("transcript", {"Content-Type": "text/plain; charset=ascii"}, TRANSCRIPT.encode())],
             "transcript",
             "not valid ascii",

@@ -51,6 +51,12 @@ async def test_api_keys_in_the_query_never_reach_the_log() -> None:
             body = {"input": "Logged without its key.", "response_format": "pcm"}
             async with session.post(f"{http}/v1/audio/speech?api_key={KEY}", json=body) as resp:
                 assert resp.status == 200 and await resp.read()
+        # A request line too long: aiohttp's error quotes its start, the key with it.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port + 1)
+        writer.write(f"GET /v1/models?api_key={KEY}&pad={'a' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        async with asyncio.timeout(30):
+            assert (await reader.read()).startswith(b"HTTP/1.0 400")
+        writer.close()
         ws = await connect(url(port) + f"?api_key={KEY}", compression=None)
         assert '"hello"' in str(await recv(ws))
         await ws.close()
@@ -61,6 +67,9 @@ async def test_api_keys_in_the_query_never_reach_the_log() -> None:
             log = (await proc.stderr.read()).decode()
             await proc.wait()
     assert KEY not in log and WRONG not in log
+    # A client's malformed request is one line, not a traceback.
+    assert "Traceback" not in log
+    assert "Error handling request from 127.0.0.1: 400 Got more than 8190 bytes" in log, log
     # The access log has the requests, with the keys cut out.
     assert '"GET /v1/models?api_key=[redacted] HTTP/1.1" 200' in log, log
     assert '"GET /v1/models?x=1&api_key=[redacted] HTTP/1.1" 200' in log

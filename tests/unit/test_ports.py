@@ -64,3 +64,13 @@ def test_limits_that_cannot_work_name_their_flag(flags: tuple[str, ...], named: 
     problem = limits_problem(fake_settings(*flags))
     assert problem is not None and problem.startswith(named)
     assert limits_problem(fake_settings()) is None
+
+
+def test_a_flood_of_refusals_is_one_log_line_not_a_flood(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="server.frontends.ports")
+    guard = PortGuard("HTTP", (1, 0))
+    assert guard.admit(None) is None
+    for _ in range(1000):
+        assert guard.admit(None) is not None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == "HTTP port refused 1 connections (the last: the HTTP port is at its 1 connections)"

@@ -43,7 +43,7 @@ from server.frontends.common import (
 )
 from server.frontends.elevenlabs.routes import PREFIX as ELEVENLABS_PREFIX
 from server.frontends.elevenlabs.routes import ElevenLabsApi
-from server.frontends.http.accesslog import RedactedAccessLogger
+from server.frontends.http.accesslog import SERVER_LOG, RedactedAccessLogger
 from server.frontends.http.common import (
     CLIENT,
     counted_error,
@@ -197,6 +197,7 @@ class HttpApi:
             keepalive_timeout=s.header_timeout_s,
             lingering_time=min(10.0, s.body_timeout_s),
             access_log_class=RedactedAccessLogger,
+            logger=SERVER_LOG,
         )
         await self._runner.setup()
         server = self._runner.server

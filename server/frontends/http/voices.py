@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import codecs
 from typing import Final
 
 from aiohttp import BodyPartReader, web
@@ -142,7 +141,8 @@ async def _read_form(request: web.Request, limit: int) -> tuple[dict[str, str], 
             if part.name in AUDIO_FIELDS and audio is None:
                 audio = await _read_capped(part, limit, _TooLarge)
             elif part.name in TEXT_FIELDS:
-                raw = await _read_capped(part, MAX_TEXT_BYTES, InvalidRequest(f"{part.name} is too long"))
+                too_long = _BadPart(part.name, f"too long: at most {MAX_TEXT_BYTES} bytes")
+                raw = await _read_capped(part, MAX_TEXT_BYTES, too_long)
                 fields[part.name] = _text(part, raw)
     except (ValueError, AssertionError) as exc:
         raise InvalidRequest(f"malformed multipart body: {exc}") from None
@@ -158,11 +158,9 @@ def _text(part: BodyPartReader, raw: bytes) -> str:
     name = part.name or "?"
     charset = part.get_charset("utf-8")
     try:
-        codecs.lookup(charset)
-    except LookupError:
-        raise _BadPart(name, f"unknown charset {charset!r}") from None
-    try:
         return raw.decode(charset)
+    except LookupError:  # no such codec, or one that is no text encoding (base64, rot13)
+        raise _BadPart(name, f"unknown charset {charset!r}") from None
     except UnicodeDecodeError:
         raise _BadPart(name, f"the text is not valid {charset}") from None
 

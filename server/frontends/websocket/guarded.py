@@ -12,15 +12,12 @@ WebSocket connections are also held to ``--max-connections`` by the handshake ga
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import Final
 
 from websockets.asyncio.server import ServerConnection
 
-from server.frontends.ports import PortGuard, peer_ip, refuse
-
-log = logging.getLogger(__name__)
+from server.frontends.ports import PortGuard, refuse
 
 _BODY: Final = b"too many connections\n"
 #: What a connection over the cap reads.
@@ -39,8 +36,7 @@ def guarded_connections(guard: PortGuard) -> type[ServerConnection]:
         _refused: Callable[[], None] | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            if (why := guard.admit(None)) is not None:
-                log.info("WebSocket connection from %s refused: %s", peer_ip(transport), why)
+            if guard.admit(None) is not None:
                 self._refused = refuse(transport, REFUSAL, guard)
                 return
             super().connection_made(transport)
