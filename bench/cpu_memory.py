@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -215,8 +216,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     """Every system in turn; the report."""
     report: dict[str, Any] = {"command": command("bench.cpu_memory"), "machine": describe_machine()}
     report["streams"], report["servers"] = args.streams, []
-    logs = args.out.parent / f"{args.out.name}-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix=f"{args.out.name}-logs-"))  # the servers' logs, kept out of results
+    print(f"logs in {logs}", file=sys.stderr)
     trees = [("after (this tree)", REPO_ROOT)]
     if args.before:
         trees.insert(0, ("before", args.before.resolve()))

@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -214,8 +215,8 @@ async def main_async(args: argparse.Namespace) -> None:
         "reference": args.reference,
         "rounds": [],
     }
-    logs = args.out.parent / f"{args.out.name}-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix=f"{args.out.name}-logs-"))  # the servers' logs, kept out of results
+    print(f"logs in {logs}", file=sys.stderr)
     servers = {n: v for n, v in SERVERS.items() if n in args.systems}
     engines = {n: v for n, v in ENGINES.items() if n in args.systems}
     report["systems"] = [*servers, *engines]
