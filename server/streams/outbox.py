@@ -102,6 +102,22 @@ class Outbox:
         self.attached = True
         self.sent_index = 0  # absolute index of the next item the attached sender sends
         self._sent_samples = 0
+        self._skip_through = -1  # a regenerated stream: items up to this seq are never held
+
+    def start_at(self, *, seq: int, sample: int, native: int, skip_through: int) -> None:
+        """Number a regenerated stream from its middle, and drop what the client has.
+
+        Its next frame is ``seq`` at output ``sample``, ``native`` native samples came
+        before, and items with a seq up to ``skip_through`` are dropped as they come
+        (``Done`` never is).
+
+        A resume before ``skip_through`` then answers ``ResumeExpired``, and nothing of this
+        stream goes into the response cache.
+        """
+        self._next_seq, self._next_sample, self._native_in = seq, sample, native
+        self._sent_samples = sample
+        self._skip_through = skip_through
+        self._evicted_position = max(self._evicted_position, skip_through)
 
     # --- producing -----------------------------------------------------------
 
@@ -175,6 +191,10 @@ class Outbox:
             self._next_sample = end
 
     def _append(self, item: OutItem) -> None:
+        if item.position <= self._skip_through and not isinstance(item, Done):
+            if isinstance(item, Frame):
+                self._sent_samples += item.samples  # the client has it: never unsent
+            return
         self._items.append(item)
         if isinstance(item, Frame):
             self._held_bytes += len(item.payload)

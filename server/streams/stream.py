@@ -106,9 +106,11 @@ class Stream:
         on_complete: Callable[[Stream], None] | None = None,
         on_freed: Callable[[Stream], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
     ) -> None:
         self.name = name  # the client's id for the stream
         self.token = token
+        self.seed = seed  # its sampling seed (the client's, or the server's pick)
         self.encoder = encoder
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).
