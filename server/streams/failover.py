@@ -126,17 +126,16 @@ def plan(
 
 def _restart_point(request: SpeechRequest, point: ResumePoint, segments: int) -> tuple[int, int]:
     """(segment, native sample) to regenerate from: the client's segment for stateless PCM, else 0."""
-    if point.segment is None or point.segment_sample is None:
+    stateless = request.format in STATELESS_FORMATS and request.sample_rate == NATIVE_SAMPLE_RATE
+    if point.segment is None or point.segment_sample is None or not stateless:
         return 0, 0
-    frame = request.sample_rate * FRAME_MS // 1000
+    frame = request.sample_rate * FRAME_MS // 1000  # PCM frames: a fixed 20 ms grid
     if not 0 <= point.segment < segments:
         raise InvalidRequest(f"segment {point.segment}: the text has {segments} segments")
     if not 0 <= point.segment_sample <= (point.after_seq + 1) * frame:
         raise InvalidRequest(f"segment_sample {point.segment_sample} lies after the resume point")
     if point.segment == 0 and point.segment_sample != 0:
         raise InvalidRequest("segment 0 starts at sample 0")
-    if request.format not in STATELESS_FORMATS or request.sample_rate != NATIVE_SAMPLE_RATE:
-        return 0, 0
     return point.segment, point.segment_sample
 
 
