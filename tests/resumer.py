@@ -20,7 +20,7 @@ class Taken:
     token: str | None = None
     seed: int | None = None
     frames: dict[int, bytes] = field(default_factory=dict)  # seq → flags + sample + payload
-    marks: dict[int, list[int]] = field(default_factory=dict)  # seq → samples of its segment marks
+    marks: dict[int, dict[int, int]] = field(default_factory=dict)  # seq → {segment index: sample}
     done: dict[str, Any] | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)  # every text message, in order
 
@@ -49,11 +49,14 @@ class Taken:
         message: dict[str, Any] = {"type": "resume", "stream": self.token, "after_seq": after}
         if with_request:
             message["request"] = {**self.start, "seed": self.seed}
-            marks = sorted(self.marks)
-            taken = [(seq, sample) for seq in marks if seq <= after for sample in self.marks[seq]]
+            taken = [
+                (i, sample)
+                for seq in sorted(self.marks)
+                if seq <= after
+                for i, sample in self.marks[seq].items()
+            ]
             if taken:
-                message["segment"] = len(taken) - 1
-                message["segment_sample"] = taken[-1][1]
+                message["segment"], message["segment_sample"] = max(taken)
         return message
 
 
@@ -90,9 +93,7 @@ async def take(
             if kind == "started":
                 taken.seed = msg["seed"]
         elif kind == "segment":
-            samples = taken.marks.setdefault(msg["seq"], [])
-            if msg["sample"] not in samples:
-                samples.append(msg["sample"])
+            taken.marks.setdefault(msg["seq"], {})[msg["index"]] = msg["sample"]
         elif kind == "done":
             taken.done = msg
             return "done"

@@ -87,7 +87,13 @@ class Regeneration:
         frame = NATIVE_SAMPLE_RATE * FRAME_MS // 1000
         seq, pad = divmod(self.native_start, frame)
         assert not encoder.push(np.zeros(pad, dtype=np.float32)), "less than a frame gives no frame"
-        outbox.start_at(seq=seq, sample=seq * frame, native=self.native_start, skip_through=self.skip_through)
+        outbox.start_at(
+            seq=seq,
+            sample=seq * frame,
+            native=self.native_start,
+            skip_through=self.skip_through,
+            segment=self.first_segment,
+        )
 
 
 def plan(

@@ -191,8 +191,8 @@ class Forwarder:
                     continue
                 message, data = reslot_message(raw, remote.slot)
                 await self._send(data)
-                if message.get("type") == "segment":
-                    progress.mark(int(message["seq"]), int(message["sample"]))
+                if message.get("type") == "segment" and "index" in message:
+                    progress.mark(int(message["seq"]), int(message["sample"]), int(message["index"]))
                 elif message.get("type") == "done":
                     return Finished()
         except ConnectionClosed as exc:

@@ -23,31 +23,26 @@ from server.streams.routing import Claims
 class Progress:
     """What the client has of a forwarded stream: the resume point, moved on as items are relayed.
 
-    Segments are counted only from a known start (the client said which segment it was in,
-    or it had nothing yet); otherwise a regeneration starts from the first segment.
+    A ``segment`` message says its segment's ``index``; it counts once a frame at or past
+    its seq went to the client (the mark goes out just before its frame).
     """
 
     after_seq: int
     segment: int | None = None
     segment_sample: int | None = None
-    _marks: list[tuple[int, int]] = field(default_factory=list)  # relayed marks whose frame is not yet
-    _counting: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._counting = self.segment is not None or self.after_seq < 0
+    _marks: list[tuple[int, int, int]] = field(default_factory=list)  # relayed, frame not yet
 
     def frame(self, seq: int) -> None:
         """A frame went to the client; marks of frames up to it now count as taken."""
         self.after_seq = max(self.after_seq, seq)
         while self._marks and self._marks[0][0] <= self.after_seq:
-            _, sample = self._marks.pop(0)
-            self.segment = 0 if self.segment is None else self.segment + 1
-            self.segment_sample = sample
+            _, sample, index = self._marks.pop(0)
+            self.segment, self.segment_sample = index, sample
 
-    def mark(self, seq: int, sample: int) -> None:
+    def mark(self, seq: int, sample: int, index: int) -> None:
         """A ``segment`` message went to the client (before its frame)."""
-        if self._counting and seq > self.after_seq:
-            self._marks.append((seq, sample))
+        if seq > self.after_seq:
+            self._marks.append((seq, sample, index))
 
     def point(self) -> ResumePoint:
         """Where the client stands now."""

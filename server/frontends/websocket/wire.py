@@ -295,6 +295,7 @@ def segment(name: str, slot: int, mark: SegmentMark) -> str:
             "seq": mark.position,
             "sample": mark.sample,
             "text": mark.text,
+            "index": mark.index,
         }
     )
 
