@@ -28,6 +28,8 @@ class CuttableProxy:
         #: Bytes from clients that a cut dropped while held (they never reached the server).
         self.dropped_bytes = 0
         self._held_bytes = 0  # held since hold(): only their count is ever needed
+        self._flowing = asyncio.Event()  # cleared: nothing more goes to the client (a stalled link)
+        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -52,6 +54,14 @@ class CuttableProxy:
     def connected(self) -> bool:
         """Some connection goes through the proxy now."""
         return bool(self._pairs)
+
+    def stall(self) -> None:
+        """Stop passing the server's bytes to the client (TCP then pushes back on the server)."""
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        """Pass the server's bytes on again."""
+        self._flowing.set()
 
     def hold(self) -> None:
         """From now until the next :meth:`cut`, bytes clients send stay in the proxy (in flight)."""
@@ -95,7 +105,12 @@ class CuttableProxy:
         rate = None if upstream else self.downstream_bytes_per_s
         # RuntimeError: a cut closed the sink while this pipe slept (paced).
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-            while data := await source.read(65536 if rate is None else 2048):
+            while True:
+                if not upstream:
+                    await self._flowing.wait()
+                data = await source.read(65536 if rate is None else 2048)
+                if not data:
+                    break
                 if upstream and self.holding:
                     self._held_bytes += len(data)
                     continue

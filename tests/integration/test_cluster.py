@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -101,9 +102,13 @@ def cut_points(rng: random.Random, frames: int) -> list[int]:
     return [first, *sorted(rng.sample(later, k=min(len(later), rng.randint(0, 2))))]
 
 
-async def replica_metric(cluster: Cluster, name: str, labels: str = "") -> float:
-    """A metric summed over the replicas still running."""
-    running = [r for r in cluster.replicas if r.proc is not None and r.proc.returncode is None]
+async def replica_metric(cluster: Cluster, name: str, labels: str = "", *, but: int | None = None) -> float:
+    """A metric summed over the replicas still running (but replica ``but``)."""
+    running = [
+        r
+        for n, r in enumerate(cluster.replicas)
+        if r.proc is not None and r.proc.returncode is None and n != but
+    ]
     return sum(await asyncio.gather(*(asyncio.to_thread(r.metric, name, labels) for r in running)))
 
 
@@ -147,3 +152,112 @@ async def test_sixty_streams_cut_one_to_three_times_equal_uncut_streams(tmp_path
     # Most reconnects reached another replica than the owner: forwarded there (the owner counts
     # the forwarded resume as local too).
     assert local == sum(resumes.values()) and forwarded >= local // 2, (local, forwarded)
+
+
+async def test_thirty_streams_outlive_a_replica_killed_with_sigkill(tmp_path: Path) -> None:
+    """Acceptance 2: SIGKILL one replica while 30 streams play (some on it, some relayed from it)."""
+    count, victim = 30, 0
+    # Generation at about twice real time, so that the kill finds most of each stream not yet
+    # generated (what was generated may sit in socket buffers and still arrive).
+    async with Cluster((*FLAGS, "--fake-step-ms", "150"), tmp_path) as cluster:
+        expected = await references(cluster, count)
+        rng = random.Random(2)
+        pauses = {n: rng.randrange(8, 16) for n in range(count)}
+        at_kill: dict[int, int | None] = {}
+        proxies: list[CuttableProxy] = []
+        all_paused, killed = asyncio.Event(), asyncio.Event()
+
+        def pauser(n: int) -> Hook:
+            async def on_chunk(taken: int, stream: cs.SpeechStream, proxy: CuttableProxy) -> None:
+                if taken == pauses[n] - 4 and proxy.connected:
+                    proxy.cut()  # resumed before the kill: two in three are relayed from their owner
+                if taken == pauses[n]:
+                    at_kill[n] = owner(cluster, stream.token)
+                    proxy.stall()  # the rest of the stream waits upstream: nothing is in the client yet
+                    proxies.append(proxy)
+                    if len(at_kill) == count:
+                        all_paused.set()
+
+            return on_chunk
+
+        async def stalled_then_killed() -> None:
+            async with asyncio.timeout(60):
+                await all_paused.wait()
+            await cluster.kill(victim)
+            killed.set()
+            for proxy in proxies:
+                proxy.flow()
+
+        sizes = [sum(len(f) + 7 for f in e.frames.values()) for e in expected]
+        firsts: dict[int, int | None] = {}
+        cuts: Counter[int] = Counter()
+        resumes: Counter[int] = Counter()
+        plays = [play(cluster, n, pauser(n), firsts, cuts, resumes, sizes[n]) for n in range(count)]
+        got, _ = await asyncio.gather(asyncio.gather(*plays), stalled_then_killed())
+        regenerated = await replica_metric(cluster, "chattts_resumes_total", 'how="regenerated"')
+    assert [n for n in range(count) if got[n] != expected[n].payload] == []
+    on_victim = [n for n, at in at_kill.items() if at == victim]
+    assert len(on_victim) >= 3, at_kill  # round-robin put some on it
+    assert regenerated >= max(3, len(on_victim) // 2), (regenerated, on_victim)  # exact: compared above
+
+
+async def test_a_replica_drained_with_sigterm_mid_stream_loses_nothing(tmp_path: Path) -> None:
+    """Acceptance 2: SIGTERM one replica while 30 streams play. Of the streams it owns, a third
+    play on (they finish there), a third lose their connection during the drain (the resume
+    reaches another replica and is forwarded to the draining owner), a third wait until it has
+    exited (its drain timeout cut them: they are regenerated elsewhere)."""
+    count, drained = 30, 1
+    flags = (*FLAGS, "--fake-step-ms", "150", "--drain-timeout-s", "2")
+    async with Cluster(flags, tmp_path) as cluster:
+        expected = await references(cluster, count)
+        rng = random.Random(3)
+        pauses = {n: rng.randrange(8, 16) for n in range(count)}
+        at_drain: dict[int, int | None] = {}
+        proxies: dict[int, CuttableProxy] = {}
+        all_paused = asyncio.Event()
+
+        def pauser(n: int) -> Hook:
+            async def on_chunk(taken: int, stream: cs.SpeechStream, proxy: CuttableProxy) -> None:
+                if taken == pauses[n]:
+                    at_drain[n] = owner(cluster, stream.token)
+                    proxy.stall()
+                    proxies[n] = proxy
+                    if len(at_drain) == count:
+                        all_paused.set()
+
+            return on_chunk
+
+        async def drain_one() -> tuple[int | None, float]:
+            async with asyncio.timeout(60):
+                await all_paused.wait()
+            proc = cluster.replicas[drained].proc
+            assert proc is not None
+            forwarded = 'how="forwarded"'
+            before = await replica_metric(cluster, "chattts_resumes_total", forwarded, but=drained)
+            proc.send_signal(signal.SIGTERM)
+            its = sorted(n for n, at in at_drain.items() if at == drained)
+            for rank, n in enumerate(its):
+                if rank % 3 == 0:
+                    proxies[n].flow()  # plays on to its end on the draining replica
+                elif rank % 3 == 1:
+                    proxies[n].flow()
+                    proxies[n].cut()  # resumed elsewhere, forwarded to the draining owner
+            for n, at in at_drain.items():
+                if at != drained:
+                    proxies[n].flow()
+            async with asyncio.timeout(30):
+                await proc.wait()
+            during = await replica_metric(cluster, "chattts_resumes_total", forwarded, but=drained)
+            for proxy in proxies.values():
+                proxy.flow()  # the rest find their owner gone, and are regenerated elsewhere
+            return proc.returncode, during - before
+
+        sizes = [sum(len(f) + 7 for f in e.frames.values()) for e in expected]
+        firsts: dict[int, int | None] = {}
+        cuts: Counter[int] = Counter()
+        resumes: Counter[int] = Counter()
+        plays = [play(cluster, n, pauser(n), firsts, cuts, resumes, sizes[n]) for n in range(count)]
+        got, (exit_code, forwarded_to_it) = await asyncio.gather(asyncio.gather(*plays), drain_one())
+    assert [n for n in range(count) if got[n] != expected[n].payload] == []
+    assert sum(1 for at in at_drain.values() if at == drained) >= 3, at_drain
+    assert exit_code == 0 and forwarded_to_it >= 1, (exit_code, forwarded_to_it)
