@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from websockets.exceptions import InvalidStatus
 from server.app import App
 from server.streams.routing import Router
 from tests.integration.conftest import MakeApp, fake_engine, wait_until
+from tests.integration.test_voices import encoded, form, recording, upload
 from tests.resumer import Taken, open_ws, take, unbroken
 from tests.wsclient import recv, recv_json
 
@@ -229,3 +231,26 @@ async def test_a_draining_owner_still_serves_forwarded_resumes_of_its_streams(ma
         drain.cancel()
         await asyncio.gather(drain, return_exceptions=True)
     assert a.metrics.resumes.labels(how="local")._value.get() == 1
+
+
+async def test_a_voice_from_a_recording_fails_over_where_the_replica_has_it(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    shared = tmp_path / "voices"
+    a = await make_app(*REPLICA, "--voices-dir", str(shared), "--http-port", "-1")
+    status, voice = await upload(a, form(encoded(recording())))
+    assert status == 200, voice
+    b = await make_app(*REPLICA, "--voices-dir", str(shared))  # shares a's folder
+    c = await make_app(*REPLICA, "--voices-dir", str(tmp_path / "empty"))  # lacks the voice
+    start = {"id": "v", "text": TEXT, "seed": 3, "voice": voice["id"]}
+    expected = await unbroken(a.port, start)
+    taken = await start_and_cut(a.port, start, cut_after=6)
+    await a.stop()
+    ws = await open_ws(c.port)
+    await ws.send(json.dumps(taken.resume()))
+    error = await recv_json(ws)
+    assert error["code"] == "unsupported" and "unknown voice" in error["message"], error
+    assert error["stream"] == taken.token
+    await ws.close()
+    assert await resume_on(b.port, taken) == "done"
+    assert taken.signature() == expected.signature()
