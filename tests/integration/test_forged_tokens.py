@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+from websockets.asyncio.client import connect
 
 from server.app import App
+from server.frontends.websocket.forward import FORWARD_HEADER
 from server.streams.request import SpeechRequest
 from server.streams.routing import Router, parse_networks
 from tests.integration.conftest import MakeApp, wait_until
@@ -151,3 +154,22 @@ async def test_without_a_secret_tokens_are_opaque_and_resume_stays_local(make_ap
     await ws.close()
     assert (await resume_answer(b, started["stream"]))["code"] == "unknown_stream"
     assert (await resume_answer(a, genuine(f"ws://127.0.0.1:{b.port}")))["code"] == "unknown_stream"
+
+
+async def test_a_forwarded_connection_is_never_forwarded_again(make_app: MakeApp) -> None:
+    """The owner side of a forward: a resume arriving from a replica is served from here or refused."""
+    b = await make_app("--resume-secret", SECRET)
+    router = b.service.router
+    assert router is not None
+    async with listening("127.0.0.1") as listener:
+        token = genuine(f"ws://127.0.0.1:{listener.port}")
+        proof = router.peer_proof(token, time.time())
+        ws = await connect(
+            f"ws://127.0.0.1:{b.port}/v1/stream?resume={token}",
+            additional_headers={FORWARD_HEADER: proof},
+        )
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "resume", "stream": token, "after_seq": 0}))
+        answer = json.loads(await ws.recv())
+        await ws.close()
+        assert answer["code"] == "unknown_stream" and listener.connections == 0
