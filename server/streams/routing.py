@@ -111,7 +111,12 @@ def audio_fingerprint(settings: Settings, info: EngineInfo) -> bytes:
 
 
 def inexact_engine(info: EngineInfo) -> str | None:
-    """Why this engine cannot promise the same audio for a seeded segment in another batch, if so."""
+    """Why this engine cannot promise the same audio for a seeded segment in another batch, if so.
+
+    In float32 the ChatTTS engine draws the same tokens in any batch; its batched vocoder may
+    still round a sample by 1 LSB of pcm16 differently (docs/operations.md section 5): not
+    announced. In bf16/fp16 the tokens themselves can change.
+    """
     dtype = info.extra.get("dtype")
     if info.name == "fake" or dtype in (None, "float32"):
         return None
