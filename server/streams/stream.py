@@ -58,6 +58,10 @@ def new_stream_token(route: str | None = None) -> str:
 
 def redact(token: str) -> str:
     """A token as it may appear in logs: the route and 6 characters of the secret."""
+    parts = token.split(".")
+    if len(parts) >= 4:  # signed (server.streams.routing): [route.]owner.digests.secret.mac
+        route = f"{parts[0]}." if len(parts) == 5 else ""
+        return f"{route}{parts[-2][:6]}…"
     route, dot, secret = token.rpartition(".")
     return f"{route}{dot}{secret[:6]}…"
 

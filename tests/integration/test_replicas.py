@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,25 @@ async def test_a_voice_from_a_recording_fails_over_where_the_replica_has_it(
     await ws.close()
     assert await resume_on(b.port, taken) == "done"
     assert taken.signature() == expected.signature()
+
+
+async def test_forwarding_and_regeneration_never_log_a_token_in_full(
+    make_app: MakeApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="server")
+    a, b, c = await make_app(*REPLICA), await make_app(*REPLICA), await make_app(*REPLICA)
+    taken = await start_and_cut(a.port, {"id": "s", "text": TEXT, "seed": 1}, cut_after=3)
+    first = taken.token
+    assert await take_some_then_cut(b.port, taken) == "cut"  # forwarded to a
+    await a.stop()
+    assert await resume_on(c.port, taken) == "done"  # a is gone: regenerated on c
+    assert first is not None and taken.token != first
+    assert "regenerated" in caplog.text and "Unreachable" in caplog.text
+    for token in (first, taken.token):
+        assert token not in caplog.text and token[:40] not in caplog.text
+
+
+async def take_some_then_cut(port: int, taken: Taken) -> str:
+    ws = await open_ws(port, taken.token)
+    await ws.send(json.dumps(taken.resume()))
+    return await take(ws, taken, cut_after=3)

@@ -44,6 +44,7 @@ from server.frontends.websocket.handoff import (
 )
 from server.frontends.websocket.routes import STREAM_PATH
 from server.streams.routing import Router
+from server.streams.stream import redact
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ class Forwarder:
             try:
                 ws, answer = await self._open()
             except (OSError, TimeoutError, InvalidHandshake, InvalidURI, ConnectionClosed, ValueError) as exc:
-                return Unreachable(f"{type(exc).__name__}: {exc}")
+                reason = f"{type(exc).__name__}: {exc}".replace(self.remote.token, redact(self.remote.token))
+                return Unreachable(reason)  # logged: never the whole token
             try:
                 return await self._relay(ws, answer)
             finally:
