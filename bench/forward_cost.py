@@ -90,7 +90,8 @@ async def _resume(port: int, token: str, after_seq: int) -> dict[str, float]:
 async def _round(a: App, b: App, streams: int, forwarded: bool, round_no: int) -> dict[str, Any]:
     cut = await asyncio.gather(*(_started_and_cut(a.port, round_no * 1000 + n) for n in range(streams)))
     async with asyncio.timeout(60):
-        while any((s := a.service.registry.get(t)) is None or not s.outbox.ended for t, _ in cut):
+        # Generation ends inside the engine loop; polling the registry here is the simplest wait.
+        while any((s := a.service.registry.get(t)) is None or not s.outbox.ended for t, _ in cut):  # noqa: ASYNC110
             await asyncio.sleep(0.01)
     target = b.port if forwarded else a.port
     cpu0 = time.process_time()
@@ -103,7 +104,16 @@ async def _round(a: App, b: App, streams: int, forwarded: bool, round_no: int) -
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--engine", "fake", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
-    flags += ["--resume-secret", SECRET, "--cache-bytes", "0", "--fake-step-ms", "1", "--log-level", "warning"]
+    flags += [
+        "--resume-secret",
+        SECRET,
+        "--cache-bytes",
+        "0",
+        "--fake-step-ms",
+        "1",
+        "--log-level",
+        "warning",
+    ]
     a, b = App(load_settings(flags, env={})), App(load_settings(flags, env={}))
     await a.start()
     await b.start()
@@ -111,7 +121,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         kinds: dict[str, list[dict[str, Any]]] = {"direct": [], "forwarded": []}
         for r in range(args.rounds):
             for kind in ("direct", "forwarded") if r % 2 == 0 else ("forwarded", "direct"):
-                kinds[kind].append(await _round(a, b, args.streams, kind == "forwarded", r * 2 + len(kinds[kind])))
+                kinds[kind].append(
+                    await _round(a, b, args.streams, kind == "forwarded", r * 2 + len(kinds[kind]))
+                )
         forwarded_count = b.metrics.resumes.labels(how="forwarded")._value.get()
     finally:
         await b.stop()
@@ -141,14 +153,16 @@ def main() -> None:
     machine["loadavg_at_end"] = list(os.getloadavg())
     command = "python -m bench.forward_cost " + " ".join(sys.argv[1:])
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, **result}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"command": command, "machine": machine, **result}, indent=1)
+    )
     s, r = result["summary"], result["ratios"]
     lines = [
         "# Forwarded resume against a resume on the owner (fake engine, CPU)",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {machine['cpu_model']}, {machine['cpu_cores']} cores, load {machine['loadavg_at_start']} → "
-        f"{machine['loadavg_at_end']} (shared with other engineers' test runs)",
+        f"Machine: {machine['cpu_model']}, {machine['cpu_cores']} cores, "
+        f"load {machine['loadavg_at_start']} → {machine['loadavg_at_end']} (shared with other test runs)",
         "",
         f"{args.streams} streams per round, each generated to its end on replica A, cut after its first "
         f"frame, then resumed all at once on A (direct) or on B (forwarded to A); {args.rounds} rounds of "
