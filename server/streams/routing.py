@@ -144,6 +144,9 @@ class Router:
         self.advertise_url = advertise_url
         self._allow = allow
         self.fingerprint = fingerprint
+        # Loopback is another replica only where this one is on loopback too (tests, one host);
+        # in a pod it would be the pod itself or a sidecar.
+        self._loopback_peers = _is_loopback(advertise_url)
 
     def mint(self, request: SpeechRequest, route: str | None = None) -> str:
         """A new token for a stream of ``request`` owned by this replica."""
@@ -187,7 +190,7 @@ class Router:
 
     def forward_target(self, claims: Claims) -> str | None:
         """The owner's URL when a resume may be forwarded there, else None (never this replica)."""
-        if self.is_mine(claims):
+        if self.is_mine(claims) or (_is_loopback(claims.owner) and not self._loopback_peers):
             return None
         return claims.owner if allowed_address(claims.owner, self._allow) else None
 
@@ -208,6 +211,13 @@ class Router:
         if not stamp.isdigit() or abs(now - int(stamp)) > PEER_PROOF_WINDOW_S:
             return False
         return hmac.compare_digest(self._peer_mac(stamp, token).encode(), mac.encode())
+
+
+def _is_loopback(url: str) -> bool:
+    try:
+        return ipaddress.ip_address(urlsplit(url).hostname or "").is_loopback
+    except ValueError:
+        return False
 
 
 def allowed_address(url: str, allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:

@@ -174,3 +174,13 @@ def test_the_flags_are_checked_at_start(tmp_path: Path) -> None:
         routing.router_config(
             load_settings(["--resume-secret", "x" * 16, "--forward-allow", "ten"], env={}), 8080
         )
+
+
+def test_loopback_owners_only_for_a_replica_on_loopback() -> None:
+    everywhere = parse_networks("0.0.0.0/0")
+    in_a_pod = Router(KEY, HERE, everywhere)
+    token = Router(KEY, "ws://127.0.0.1:8080", everywhere).mint(REQUEST)
+    claims = in_a_pod.verify(token)
+    assert claims is not None and in_a_pod.forward_target(claims) is None  # its own pod, a sidecar
+    on_one_host = Router(KEY, "ws://127.0.0.1:9090", everywhere)
+    assert on_one_host.forward_target(claims) == "ws://127.0.0.1:8080"
