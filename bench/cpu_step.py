@@ -307,7 +307,10 @@ def main() -> int:
         "length": length,
         "batches": batches,
         "threads": args.threads,
-        "rows": {k: {**v, "best_ms": min(v["ms"]), "best_cpu_ms": min(v["cpu_ms"])} for k, v in rows.items()},
+        "rows": {
+            k: {**v, "best_ms": min(v["ms"]), "best_cpu_ms": min(v["cpu_ms"]) if v.get("cpu_ms") else None}
+            for k, v in rows.items()
+        },
         "splits": splits,
         "profiles": profiles,
         "loadavg_after_rounds": loads,
