@@ -124,7 +124,8 @@ def test_api_keys_given_as_values_become_the_secret_the_server_reads(tmp_path: P
     # The file the pod would see, read by the server's own reader.
     keys_file = tmp_path / item["path"]
     keys_file.write_text(secret["stringData"][item["key"]])
-    assert read_api_keys(Settings(api_keys_file=str(keys_file))) == ["key-one", "key-two"]
+    # Keys above any ``[tenant]`` line are each their own tenant (None).
+    assert read_api_keys(Settings(api_keys_file=str(keys_file))) == [("key-one", None), ("key-two", None)]
 
 
 def test_api_keys_from_an_existing_secret_or_none() -> None:
