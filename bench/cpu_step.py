@@ -282,9 +282,10 @@ def main() -> int:
                     cases["transformers-compiled"] = transformers.token(batch, length, compiled["model"])
                 order = list(cases) if r % 2 == 0 else list(reversed(cases))
                 for name in order:
-                    rows.setdefault(f"{name}@{batch}", {"ms": []})["ms"].append(
-                        median_ms(cases[name], args.iterations)
-                    )
+                    wall, cpu = median_ms(cases[name], args.iterations)
+                    entry = rows.setdefault(f"{name}@{batch}", {"ms": [], "cpu_ms": []})
+                    entry["ms"].append(wall)
+                    entry["cpu_ms"].append(cpu)
                 for form in FORMS if r % 2 == 0 else FORMS[::-1]:
                     forms.use(form)
                     key = f"step-{form}@{batch}"
