@@ -34,6 +34,7 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     rows = result["step"]["rows"]
     for name in ("floor-plain", "products-dense", "products-onednn-bf16", "products-int8", "transformers"):
         assert {f"{name}@1", f"{name}@2"} <= set(rows)
+        assert rows[f"{name}@1"]["best_cpu_ms"] > 0
     for form in ("dense", "onednn-bf16", "int8"):
         split = result["step"]["splits"][f"step-{form}@2"]
         assert split["projections"] > 0 and split["total"] >= split["projections"]
