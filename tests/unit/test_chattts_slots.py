@@ -97,9 +97,9 @@ def _rss() -> int:
 
 
 def _big_kv() -> SlotKV:
-    from server.engine.chattts.step.pages import lazy_pages_supported
+    from server.engine.chattts.step.pages import can_release
 
-    if not lazy_pages_supported():
+    if not can_release():
         pytest.skip("lazily resident KV pages need Linux")
     return SlotKV(**BIG, dtype=torch.float32, device=torch.device("cpu"))
 
