@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -95,9 +97,9 @@ def _rss() -> int:
 
 
 def _big_kv() -> SlotKV:
-    from server.engine.chattts.step.pages import lazy_pages_supported
+    from server.engine.chattts.step.pages import can_release
 
-    if not lazy_pages_supported():
+    if not can_release():
         pytest.skip("lazily resident KV pages need Linux")
     return SlotKV(**BIG, dtype=torch.float32, device=torch.device("cpu"))
 
@@ -147,3 +149,16 @@ def test_a_step_write_counts_one_page_per_head_once_noted() -> None:
     kv.trim()  # both slots are free: trimming hands back what the step wrote
     assert kv.resident_bytes == 0
     assert float(kv.keys[0].abs().sum()) == 0.0
+
+
+def test_a_kv_reservation_larger_than_the_memory_left_is_named_at_start_up() -> None:
+    from server.engine.chattts.setup import kv_memory_warning, memory_left
+
+    assert kv_memory_warning(5 * 2**30, 8 * 2**30) is None
+    assert kv_memory_warning(5 * 2**30, None) is None  # unknown: nothing to say
+    warning = kv_memory_warning(int(5.7 * 2**30), 3 * 2**30)
+    assert warning is not None and "5.7 GiB" in warning and "3.0 GiB" in warning
+    assert "--max-batch" in warning and "--segment-max-tokens" in warning
+    left = memory_left()
+    if left is not None:  # Linux: the machine's (or the cgroup's) memory less what this process holds
+        assert 0 < left < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

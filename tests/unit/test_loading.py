@@ -73,7 +73,7 @@ def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     root = Path(__file__).resolve().parents[2]
     run = [sys.executable, "-c", code]
-    out = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=250, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "PASSIVE"
 
@@ -114,7 +114,7 @@ def test_engine_cpus_pin_the_inference_thread_and_keep_the_loop_off_them(tmp_pat
     )
     root = Path(__file__).resolve().parents[2]
     run = [sys.executable, "-c", code]
-    out = subprocess.run(run, cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(run, cwd=root, capture_output=True, text=True, timeout=250, check=False)
     assert out.returncode == 0, out.stderr
     first = out.stdout.split()[0]  # the engine's CPU; the inference thread had only it, the loop not it
     assert out.stdout.strip() == f"{first} [{first}] False"

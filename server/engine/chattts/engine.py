@@ -352,7 +352,7 @@ class ChatTTSEngine:
             with torch.inference_mode():
                 self._batch.prepare_runner(self.step_shapes())
             self._info = self._describe()
-            log_engine_info(self._info, self._batch.kv.nbytes)
+            log_engine_info(self._info, self._batch.kv.nbytes, lazy=self._batch.kv.lazy)
 
     def warmup(self) -> None:
         """Meet every shape serving will meet before the first request does.

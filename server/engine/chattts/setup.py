@@ -8,6 +8,8 @@ engine module holds only what runs per request; its options are in
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 
@@ -69,6 +71,32 @@ def kv_length(
     return min(max_positions, round_up(longest_prompt, prefill_bucket) + segment_max_tokens)
 
 
+def memory_left() -> int | None:
+    """Bytes this process may still take (Linux): its cgroup's limit, else the machine's, less its RSS."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        limit = os.sysconf("SC_PHYS_PAGES") * page
+        for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+            text = Path(path).read_text().strip() if Path(path).is_file() else "max"
+            if text != "max":
+                limit = min(limit, int(text))
+        resident = int(Path("/proc/self/statm").read_text().split()[1]) * page
+    except (OSError, ValueError):
+        return None
+    return limit - resident
+
+
+def kv_memory_warning(reserved: int, left: int | None) -> str | None:
+    """What to say when every KV slot at its longest would not fit in the memory left (``None``: fits)."""
+    if left is None or reserved <= left:
+        return None
+    return (
+        f"every KV slot at its longest would take {reserved / 2**30:.1f} GiB, more than the "
+        f"{max(left, 0) / 2**30:.1f} GiB this process has left: lower --max-batch or --segment-max-tokens "
+        "(on the CPU only the positions live streams hold are resident, so typical use needs far less)"
+    )
+
+
 def engine_info(
     loaded: LoadedChat,
     batch: SlotBatch,
@@ -111,19 +139,30 @@ def engine_info(
     )
 
 
-def log_engine_info(info: EngineInfo, kv_bytes: int) -> None:
-    """The start-up log line of what runs (and a warning for random weights)."""
+def log_engine_info(info: EngineInfo, kv_bytes: int, *, lazy: bool) -> None:
+    """The start-up log line of what runs, and warnings: random weights, KV that may not fit.
+
+    Args:
+        info: the engine's facts.
+        kv_bytes: the KV slots' size at their longest.
+        lazy: whether that is a reservation that becomes resident as written (the CPU) or
+            memory allocated now.
+    """
     extra = info.extra
     log.info(
-        "KV cache: %s slots x %s positions = %.1f MiB (%s); token step: %s, projections %s, batch buckets %s",
+        "KV cache: %s slots x %s positions = %.1f MiB %s (%s); "
+        "token step: %s, projections %s, batch buckets %s",
         extra["kv_slots"],
         extra["kv_max_len"],
         kv_bytes / 2**20,
+        "reserved, resident as written" if lazy else "allocated",
         extra["dtype"],
         extra["token_step"],
         extra["projections"],
         extra["batch_buckets"],
     )
+    if lazy and (warning := kv_memory_warning(kv_bytes, memory_left())) is not None:
+        log.warning("%s", warning)
     if extra["random_weights"] == "true":
         log.warning(
             "SERVING RANDOM WEIGHTS: %s is a dev model (DEV_MODEL.json); the audio is noise, not speech",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from server.engine.chattts.step.pages import PAGE, PageReservation, lazy_pages_supported
+from server.engine.chattts.step.pages import PAGE, PageReservation, can_release, can_reserve
 
 #: Attention lengths double up to the step (16, 32, ...) and then grow by it: finer on the CPU,
 #: where attending over padding costs memory bandwidth, coarser on CUDA, where each length is
@@ -115,7 +115,7 @@ class SlotKV:
         self._pages: PageReservation | None = None
         # Zeros, not empty: a masked position still enters the attention product (times 0),
         # and uninitialized memory may hold NaN, which 0 · NaN would spread.
-        if device.type == "cpu" and lazy_pages_supported():
+        if device.type == "cpu" and can_reserve():
             self._pages = PageReservation(2 * layers * slots * self._slot_bytes)
             count = 2 * layers * slots * kv_heads * max_len * head_dim
             both = torch.frombuffer(self._pages.buffer, dtype=dtype, count=count).view(layers, 2, *shape)
@@ -135,8 +135,12 @@ class SlotKV:
 
     @property
     def lazy(self) -> bool:
-        """Whether pages become resident only when written and go back when a slot is freed (the CPU)."""
-        return self._pages is not None
+        """Whether pages become resident only when written and go back when a slot is freed (the CPU).
+
+        Elsewhere than Linux the CPU's slots are still a lazy mapping, but freed pages stay
+        resident, so :attr:`resident_bytes` reports the reservation there.
+        """
+        return self._pages is not None and can_release()
 
     @property
     def resident_bytes(self) -> int:
@@ -147,7 +151,7 @@ class SlotKV:
         one position past a row's filled part, a prefill its padded length). Where a head's
         positions do not start on a page boundary the kernel may count one page more per head.
         """
-        if self._pages is None:
+        if not self.lazy:
             return self.nbytes
         runs = 2 * self._layers * self._heads
         return runs * sum(-(-n * self._run_bytes // PAGE) * PAGE for n in self._extent)

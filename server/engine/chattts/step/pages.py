@@ -34,9 +34,14 @@ def _advise(region: mmap.mmap, name: str, start: int, length: int) -> bool:
     return True
 
 
-def lazy_pages_supported() -> bool:
-    """Whether this platform can map memory lazily and take written pages back (Linux)."""
-    return sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
+def can_reserve() -> bool:
+    """Whether this platform maps anonymous private memory lazily (every POSIX system)."""
+    return hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+def can_release() -> bool:
+    """Whether released pages are freed at once and read as zeros afterwards (Linux's MADV_DONTNEED)."""
+    return can_reserve() and sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
 
 
 class PageReservation:
@@ -56,10 +61,11 @@ class PageReservation:
         """Hand the whole pages inside bytes ``[start, stop)`` back to the system; bytes released.
 
         They read as zeros afterwards. The partial pages at either end stay as they are (their
-        contents are stale, and callers treat stale contents as garbage behind a mask).
+        contents are stale, and callers treat stale contents as garbage behind a mask). Where
+        the platform cannot release (:func:`can_release`), nothing is released.
         """
         first = -(-start // PAGE) * PAGE
         last = min(stop, self.nbytes) // PAGE * PAGE
-        if last <= first:
+        if last <= first or not can_release():
             return 0
         return last - first if _advise(self.buffer, "MADV_DONTNEED", first, last - first) else 0
