@@ -26,8 +26,9 @@ as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
 APT_PACKAGES=(libopus0)
 if [[ $DEV -eq 1 ]]; then
   # opus-tools: opusinfo/opusdec check our Ogg Opus; chromium (+ node) runs the browser tests;
-  # ffmpeg decodes our mp3 (gapless tag) and flac (libsndfile cannot read a FLAC stream of unknown length).
-  APT_PACKAGES+=(opus-tools chromium ffmpeg)
+  # ffmpeg decodes our mp3 (gapless tag) and flac (libsndfile cannot read a FLAC stream of unknown length);
+  # haproxy is the round-robin load balancer in front of three replicas (tests/integration/test_cluster.py).
+  APT_PACKAGES+=(opus-tools chromium ffmpeg haproxy)
   command -v node >/dev/null || APT_PACKAGES+=(nodejs npm)
 fi
 missing=()

@@ -28,9 +28,11 @@ from server.frontends.access import AccessDenied, AccessGate
 from server.frontends.common import ServerInfo
 from server.frontends.http.api import HttpApi
 from server.frontends.websocket.connection import Connection
+from server.frontends.websocket.forward import is_forwarded
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
 from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
+from server.streams.routing import RouterConfig, make_router, router_config
 from server.streams.service import SpeechService
 from server.voices.library import settings_problem
 
@@ -100,8 +102,11 @@ class App:
         1. Read the API keys (``--api-keys-file``); check the voice settings; refuse an
            unauthenticated Wyoming port on a public interface while keys are set.
         2. Bind the WebSocket, HTTP and Wyoming ports, so that a busy port fails
-           before minutes of model loading (nothing is accepted yet).
+           before minutes of model loading (nothing is accepted yet); read the resume
+           secret (``--resume-secret-file``), check ``--advertise-url`` and ``--forward-allow``.
         3. Load the engine on the inference thread; its warm-up follows there.
+           With a resume secret, tokens are signed from now on (the engine's audio
+           fingerprint goes into them).
         4. Read the voices made from recordings (``--voices-dir``) that this engine's weights made.
         5. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
         6. Serve WebSocket, HTTP and Wyoming on the bound sockets.
@@ -119,7 +124,10 @@ class App:
             ws_sock = self._bind(s.port, "--port")
             http_sock = self._bind_http()
             wyoming_sock = self._bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else None
+            routing: RouterConfig | None = router_config(s, self.port)
             info = await self.engine_client.start()
+            if routing is not None:
+                self.service.router = make_router(routing, s, info)
             await self._load_voices(info)
             self._info = server_info(s, info)
             self.metrics.engine.info({"name": info.name, **info.extra})
@@ -201,11 +209,15 @@ class App:
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 # The condition spans every stream's state; polling it during a drain is cheap.
-                while registry.busy():  # noqa: ASYNC110
+                while registry.busy() or self._forwarding():  # noqa: ASYNC110
                     await asyncio.sleep(DRAIN_POLL_S)
         except TimeoutError:
             log.warning("drain timeout: %d streams still running are cut off", registry.busy())
         await self.stop()
+
+    def _forwarding(self) -> int:
+        """Streams this replica relays from their owners (they end with their owner's stream)."""
+        return sum(conn.forwarding for conn in self.connections)
 
     async def run_until_signalled(self) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain and return."""
@@ -316,6 +328,7 @@ class App:
             draining=lambda: self.draining,
             full=lambda: len(self.connections) >= self.settings.max_connections,
             metrics=self.metrics.render,
+            forwarded=lambda request: is_forwarded(self.service.router, request.path, request.headers),
         )
 
     # --- WebSocket connections ------------------------------------------------------------

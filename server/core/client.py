@@ -66,11 +66,15 @@ class GenerateRequest:
         segments: the text, already split into segments (sentences).
         params: voice and sampling parameters.
         incremental: more segments will come through ``append`` until ``end_input``.
+        first_segment: the stream's index of ``segments[0]``: a stream regenerated from its
+            k-th segment on (a resume on another replica) draws each segment's random numbers
+            as the whole stream did (seed offset ``first_segment + i``).
     """
 
     segments: tuple[str, ...]
     params: SynthesisParams
     incremental: bool = False
+    first_segment: int = 0
 
 
 class Generation:
@@ -225,7 +229,13 @@ class EngineClient:
         self._generations[generation.stream_id] = generation
         self._adds_sent += 1
         self._core.send(
-            Add(generation.stream_id, request.segments, request.params, input_closed=not request.incremental)
+            Add(
+                generation.stream_id,
+                request.segments,
+                request.params,
+                input_closed=not request.incremental,
+                first_segment=request.first_segment,
+            )
         )
         self._count_queue()
         return generation

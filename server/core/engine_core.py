@@ -195,6 +195,7 @@ class EngineCore:
                         command.params,
                         input_closed=command.input_closed,
                         now=now,
+                        first_segment=command.first_segment,
                     )
                 )
             case Append(stream_id=stream_id, text=text):

@@ -30,6 +30,8 @@ class StreamPlan:
         finished_segments: segments that finished, at or after ``emit_index``.
         live_seqs: engine sequence id → segment index, for segments queued or running.
         ended: no more events follow (complete, cancelled or failed).
+        first_segment: the stream's index of ``segments[0]``, added to each segment's seed offset
+            (a stream regenerated from a later segment draws as the whole stream did).
     """
 
     stream_id: int
@@ -43,6 +45,7 @@ class StreamPlan:
     finished_segments: set[int] = field(default_factory=set)
     live_seqs: dict[int, int] = field(default_factory=dict)
     ended: bool = False
+    first_segment: int = 0
 
     def segments_to_queue(self, lookahead: int) -> list[int]:
         """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.

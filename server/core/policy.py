@@ -211,9 +211,12 @@ class SchedulingPolicy:
         *,
         input_closed: bool,
         now: float,
+        first_segment: int = 0,
     ) -> list[StreamEvent]:
-        """A new stream; an empty closed one completes at once."""
-        plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed)
+        """A new stream; an empty closed one completes at once (``first_segment``: its seed offset)."""
+        plan = StreamPlan(
+            stream_id, params, list(segments), input_closed=input_closed, first_segment=first_segment
+        )
         if self.breaker_open:  # admitted just before the breaker opened: it would wait for nothing
             return [Ended(stream_id, "error", BREAKER_MESSAGE)]
         self._plans[stream_id] = plan
@@ -332,7 +335,7 @@ class SchedulingPolicy:
                     text=plan.segments[entry.segment],
                     params=plan.params,
                     max_tokens=self.config.max_tokens_per_segment,
-                    seed_offset=entry.segment,
+                    seed_offset=plan.first_segment + entry.segment,
                 )
             )
             waited.append(now - entry.since)

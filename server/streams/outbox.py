@@ -36,11 +36,12 @@ class Frame:
 
 @dataclass(frozen=True, slots=True)
 class SegmentMark:
-    """A text segment starts in the frame with seq ``position``, at output sample ``sample``."""
+    """Text segment ``index`` starts in the frame with seq ``position``, at output sample ``sample``."""
 
     position: int
     sample: int
     text: str
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class Outbox:
         self._next_sample = 0  # output samples numbered so far
         self._native_in = 0  # native samples received so far
         self._marks: deque[tuple[int, str]] = deque()  # (output sample offset, text)
+        self._segments = 0  # the index of the next segment
         self._max_unsent_samples = int(max_unsent_s * sample_rate)
         self._replay_max_samples = int(replay_max_s * sample_rate)
         self._replay_max_bytes = replay_max_bytes
@@ -102,6 +104,23 @@ class Outbox:
         self.attached = True
         self.sent_index = 0  # absolute index of the next item the attached sender sends
         self._sent_samples = 0
+        self._skip_through = -1  # a regenerated stream: items up to this seq are never held
+
+    def start_at(self, *, seq: int, sample: int, native: int, skip_through: int, segment: int = 0) -> None:
+        """Number a regenerated stream from its middle, and drop what the client has.
+
+        Its next frame is ``seq`` at output ``sample``, ``native`` native samples came
+        before, its next segment is ``segment``, and items with a seq up to ``skip_through``
+        are dropped as they come (``Done`` never is).
+
+        A resume before ``skip_through`` then answers ``ResumeExpired``, and nothing of this
+        stream goes into the response cache.
+        """
+        self._next_seq, self._next_sample, self._native_in = seq, sample, native
+        self._segments = segment
+        self._sent_samples = sample
+        self._skip_through = skip_through
+        self._evicted_position = max(self._evicted_position, skip_through)
 
     # --- producing -----------------------------------------------------------
 
@@ -167,14 +186,19 @@ class Outbox:
             starts = False
             while self._marks and (self._marks[0][0] < end or is_last):
                 mark_offset, text = self._marks.popleft()
+                index, self._segments = self._segments, self._segments + 1
                 starts = True
                 at = min(mark_offset, max(sample, end - 1)) if frame.samples else sample
-                self._append(SegmentMark(seq, at, text))
+                self._append(SegmentMark(seq, at, text, index))
             self._append(Frame(seq, frame.payload, sample, frame.samples, is_last, starts))
             self._next_seq += 1
             self._next_sample = end
 
     def _append(self, item: OutItem) -> None:
+        if item.position <= self._skip_through and not isinstance(item, Done):
+            if isinstance(item, Frame):
+                self._sent_samples += item.samples  # the client has it: never unsent
+            return
         self._items.append(item)
         if isinstance(item, Frame):
             self._held_bytes += len(item.payload)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,14 @@ from server.engine_api import SynthesisParams
 from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
 from server.metrics import Metrics
 from server.streams.cache import ResponseCache, cache_key
+from server.streams.failover import Regeneration, ResumePoint
+from server.streams.failover import plan as plan_regeneration
 from server.streams.incremental import TextFeed
 from server.streams.limits import ClientLimiter
 from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
+from server.streams.routing import Claims, Router, request_digest
 from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
 from server.text.segments import TextBuffer, has_speakable, split_segments
 from server.text.tags import problem as tag_problem
@@ -69,6 +73,8 @@ class SpeechService:
         )
         #: Voices made from recordings (``POST /v1/audio/voices``), by id.
         self.voices = VoiceLibrary(settings, engine)
+        #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
+        self.router: Router | None = None
 
     def voice_names(self) -> tuple[str, ...]:
         """Every voice name a stream may use: the engine's, then those made from recordings."""
@@ -95,17 +101,30 @@ class SpeechService:
     # --- opening -------------------------------------------------------------------------------
 
     def open(
-        self, request: SpeechRequest, lease: Lease, *, route: str | None = None, resumable: bool = True
+        self,
+        request: SpeechRequest,
+        lease: Lease,
+        *,
+        route: str | None = None,
+        resumable: bool = True,
+        regeneration: Regeneration | None = None,
+        token: str | None = None,
     ) -> Stream:
         """Validate ``request``, start generating it (or answer it from the cache), register it.
 
-        ``lease`` is the front end that sends the stream; ``route`` goes into the token.
+        ``lease`` is the front end that sends the stream; ``route`` goes into the token. A
+        resumable stream without a seed gets one (``stream.seed``), so that another replica
+        can regenerate it. ``regeneration``: a stream that was lost elsewhere, started over
+        from a segment (no cache then), registered under ``token`` when given.
 
         Raises:
             ServiceError: ``Draining``, ``InvalidRequest``, ``TextTooLong``, ``Unsupported``,
                 ``Overloaded`` or ``EngineUnavailable``; nothing is started then.
         """
         self.check_accepting()
+        cacheable = request.seed is not None and regeneration is None
+        if request.seed is None and resumable:  # reported in `started`; never a cache key
+            request = dataclasses.replace(request, seed=secrets.randbits(63))
         encoder = self._encoder_for(request)
         s = self.settings
         outbox = Outbox(
@@ -117,13 +136,18 @@ class SpeechService:
         generation: Generation | None
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
+        if regeneration is not None:
+            regeneration.prepare(encoder, outbox)
         if request.incremental:
             generation, text_feed = self._start_incremental(request)
         else:
-            generation, on_complete = self._start_whole(request, outbox)
+            first = 0 if regeneration is None else regeneration.first_segment
+            generation, on_complete = self._start_whole(request, outbox, first, cacheable)
+        if token is None:
+            token = new_stream_token(route) if self.router is None else self.router.mint(request, route)
         stream = Stream(
             name=request.name,
-            token=new_stream_token(route),
+            token=token,
             encoder=encoder,
             outbox=outbox,
             lease=lease,
@@ -136,6 +160,7 @@ class SpeechService:
             on_complete=on_complete,
             on_freed=self.registry.remove,
             clock=self._clock,
+            seed=request.seed,
         )
         self.registry.add(stream)
         if generation is not None:
@@ -143,11 +168,11 @@ class SpeechService:
         return stream
 
     def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox
+        self, request: SpeechRequest, outbox: Outbox, first: int = 0, cacheable: bool = True
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
-        """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
+        """Generate the text from segment ``first`` on, or fill ``outbox`` from the cache (no generation)."""
         segments = self._segments(request)
-        cache, key = self.cache, None
+        cache, key = (self.cache if cacheable else None), None
         if cache is not None:
             stored = self.voices.get(request.voice)
             digest = stored.sample.digest if stored is not None else ""
@@ -161,7 +186,9 @@ class SpeechService:
                 return None, None
             self.metrics.cache_misses.inc()
             on_complete = self._storer(cache, key)
-        generation = self.engine.generate(GenerateRequest(segments=segments, params=self._params(request)))
+        generation = self.engine.generate(
+            GenerateRequest(segments=segments[first:], params=self._params(request), first_segment=first)
+        )
         return generation, on_complete
 
     def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
@@ -183,6 +210,8 @@ class SpeechService:
                 opus_complexity=s.opus_complexity,
                 ogg_page_ms=s.ogg_page_ms,
                 mp3_bitrate=s.mp3_bitrate,
+                # With signed tokens the Ogg serial is the request's, so a regeneration matches.
+                ogg_serial=None if self.router is None else int.from_bytes(request_digest(request)[:4]),
             )
         except (UnsupportedAudio, ValueError) as exc:
             raise Unsupported(str(exc)) from None
@@ -260,6 +289,45 @@ class SpeechService:
         if stream is None or not stream.resumable:
             raise UnknownStream("no stream with this token is held here")
         return stream
+
+    def regenerate(
+        self,
+        claims: Claims,
+        request: SpeechRequest,
+        point: ResumePoint,
+        lease: Lease,
+        *,
+        token: str | None = None,
+    ) -> tuple[Stream, str | None]:
+        """Start again, here, a stream that is gone (``claims``: its verified token) from ``point`` on.
+
+        Returns the new stream, whose items after ``point.after_seq`` equal the lost ones'
+        (its index to send from is ``stream.outbox.sent_index``), and why they may differ
+        (None: exact). It gets a token of its own, owned here, unless ``token`` is given.
+
+        Raises:
+            UnknownStream: it cannot be regenerated (no seed, incremental, not the token's request).
+            ServiceError: as :meth:`open` (draining, overloaded, an unknown voice, ...).
+        """
+        assert self.router is not None, "regeneration needs signed tokens"
+        self.check_accepting()
+        regeneration = plan_regeneration(
+            request,
+            claims,
+            point,
+            segments=len(self._segments(request)),
+            fingerprint=self.router.fingerprint,
+            engine=self.engine.info,
+        )
+        stream = self.open(request, lease, regeneration=regeneration, token=token)
+        log.info(
+            "stream %s regenerated from segment %d after seq %d%s",
+            redact(stream.token),
+            regeneration.first_segment,
+            point.after_seq,
+            "" if regeneration.degraded is None else f" (degraded: {regeneration.degraded})",
+        )
+        return stream, regeneration.degraded
 
     def resume(self, stream: Stream, after_seq: int, lease: Lease) -> int:
         """Move ``stream`` to ``lease`` and rewind it; returns the outbox index to send from.

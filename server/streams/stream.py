@@ -58,6 +58,10 @@ def new_stream_token(route: str | None = None) -> str:
 
 def redact(token: str) -> str:
     """A token as it may appear in logs: the route and 6 characters of the secret."""
+    parts = token.split(".")
+    if len(parts) >= 4:  # signed (server.streams.routing): [route.]owner.digests.secret.mac
+        route = f"{parts[0]}." if len(parts) == 5 else ""
+        return f"{route}{parts[-2][:6]}…"
     route, dot, secret = token.rpartition(".")
     return f"{route}{dot}{secret[:6]}…"
 
@@ -106,9 +110,11 @@ class Stream:
         on_complete: Callable[[Stream], None] | None = None,
         on_freed: Callable[[Stream], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
     ) -> None:
         self.name = name  # the client's id for the stream
         self.token = token
+        self.seed = seed  # its sampling seed (the client's, or the server's pick)
         self.encoder = encoder
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).
