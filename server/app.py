@@ -27,11 +27,13 @@ from server.frontends.common import ServerInfo
 from server.frontends.http.api import HttpApi
 from server.frontends.ports import PortGuard, limits_problem, port_guards
 from server.frontends.websocket.connection import Connection
+from server.frontends.websocket.forward import is_forwarded
 from server.frontends.websocket.guarded import guarded_connections
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
 from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
 from server.sockets import bind_socket
+from server.streams.routing import RouterConfig, make_router, router_config
 from server.streams.service import SpeechService
 from server.voices.library import settings_problem
 
@@ -102,8 +104,11 @@ class App:
         1. Read the API keys (``--api-keys-file``); check the voice settings; refuse an
            unauthenticated Wyoming port on a public interface while keys are set.
         2. Bind the WebSocket, HTTP and Wyoming ports, so that a busy port fails
-           before minutes of model loading (nothing is accepted yet).
+           before minutes of model loading (nothing is accepted yet); read the resume
+           secret (``--resume-secret-file``), check ``--advertise-url`` and ``--forward-allow``.
         3. Load the engine on the inference thread; its warm-up follows there.
+           With a resume secret, tokens are signed from now on (the engine's audio
+           fingerprint goes into them).
         4. Read the voices made from recordings (``--voices-dir``) that this engine's weights made.
         5. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
         6. Serve WebSocket, HTTP and Wyoming on the bound sockets.
@@ -128,7 +133,10 @@ class App:
                 s, ports, self.service.limiter, lambda c: self.metrics.errors.labels(code=c).inc()
             )
             self.websocket_guard = guards["WebSocket"]
+            routing: RouterConfig | None = router_config(s, self.port)
             info = await self.engine_client.start()
+            if routing is not None:
+                self.service.router = make_router(routing, s, info)
             await self._load_voices(info)
             self._info = server_info(s, info)
             self.metrics.engine.info({"name": info.name, **info.extra})
@@ -220,7 +228,7 @@ class App:
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 # The condition spans every stream's state; polling it during a drain is cheap.
-                while registry.busy():  # noqa: ASYNC110
+                while registry.busy() or self._forwarding():  # noqa: ASYNC110
                     await asyncio.sleep(DRAIN_POLL_S)
         except TimeoutError:
             log.warning("drain timeout: %d streams still running are cut off", registry.busy())
@@ -236,6 +244,10 @@ class App:
         if self.http is not None:
             idle.append(self.http.close_idle())  # ElevenLabs WebSockets without a context
         await asyncio.gather(*idle, return_exceptions=True)
+
+    def _forwarding(self) -> int:
+        """Streams this replica relays from their owners (they end with their owner's stream)."""
+        return sum(conn.forwarding for conn in self.connections)
 
     async def run_until_signalled(self) -> None:
         """Start, serve until SIGTERM or SIGINT, then drain and return."""
@@ -326,6 +338,7 @@ class App:
             draining=lambda: self.draining,
             full=lambda: len(self.connections) >= self.settings.max_connections,
             metrics=self.metrics.render,
+            forwarded=lambda request: is_forwarded(self.service.router, request.path, request.headers),
         )
 
     # --- WebSocket connections ------------------------------------------------------------

@@ -145,6 +145,27 @@ class Settings:
     )
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running streams may take to finish")
     resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed (0: cancel at once)")
+    # Resume on any replica (docs/operations.md section 5): signed tokens, forwarding, regeneration.
+    resume_secret: str = _opt(
+        "",
+        "HMAC key the replicas share (16+ characters): tokens then name the replica that owns their "
+        "stream, so a resume reaching any replica is forwarded there or regenerated; empty: resume "
+        "works on the replica that holds the stream only",
+    )
+    resume_secret_file: str = _opt("", "file holding that key (a mounted Secret); wins over --resume-secret")
+    advertise_url: str = _opt(
+        "",
+        "ws://IP:PORT where the other replicas reach this one (the pod IP); "
+        "empty: ws://--host:--port when --host is an address",
+    )
+    forward_allow: str = _opt(
+        "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,fc00::/7",
+        "networks (CIDR, comma-separated) a replica may forward a resume to; a signed owner "
+        "address outside them is refused without connecting",
+    )
+    forward_timeout_s: float = _opt(
+        5.0, "a forwarded resume's connect, hello and answer take at most this long (then regenerate)"
+    )
     replay_max_s: float = _opt(60.0, "audio (seconds) a stream keeps for resume, oldest evicted first")
     replay_max_bytes: int = _opt(8 * 1024 * 1024, "bytes a stream keeps for resume, oldest evicted first")
     replay_total_bytes: int = _opt(

@@ -24,6 +24,15 @@ class Metrics:
         self.bytes_sent = Counter("chattts_audio_bytes_sent", "Audio frame bytes sent", registry=r)
         self.streams_total = Counter("chattts_streams", "Streams by end reason", ["reason"], registry=r)
         self.errors = Counter("chattts_errors", "Error messages sent, by code", ["code"], registry=r)
+        self.resumes = Counter(
+            "chattts_resumes",
+            "Resumes by how they were served: local, forwarded, regenerated, degraded, unknown",
+            ["how"],
+            registry=r,
+        )
+        self.forwarded_streams = Gauge(
+            "chattts_forwarded_streams", "Streams relayed from their owner replica now", registry=r
+        )
         self.time_to_first_audio = Histogram(
             "chattts_time_to_first_audio_seconds",
             "From a start message to its first audio frame handed to the socket",

@@ -9,10 +9,16 @@ import struct
 
 
 class CuttableProxy:
-    """Forwards 127.0.0.1:<port> to a target port; :meth:`cut` resets every open connection."""
+    """Forwards 127.0.0.1:<port> to a target port; :meth:`cut` resets every open connection.
 
-    def __init__(self, target_port: int) -> None:
+    ``downstream_bytes_per_s`` paces what goes to the client, like a slow link: what the server
+    sent waits in the proxy (in flight), so a cut loses it rather than the client holding all
+    of a stream in its socket buffer already.
+    """
+
+    def __init__(self, target_port: int, *, downstream_bytes_per_s: float | None = None) -> None:
         self.target_port = target_port
+        self.downstream_bytes_per_s = downstream_bytes_per_s
         self.port = 0
         self.cuts = 0
         #: While set, new connections are reset at once (the network is still down).
@@ -22,6 +28,8 @@ class CuttableProxy:
         #: Bytes from clients that a cut dropped while held (they never reached the server).
         self.dropped_bytes = 0
         self._held_bytes = 0  # held since hold(): only their count is ever needed
+        self._flowing = asyncio.Event()  # cleared: nothing more goes to the client (a stalled link)
+        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -41,6 +49,19 @@ class CuttableProxy:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self._server.wait_closed()
+
+    @property
+    def connected(self) -> bool:
+        """Some connection goes through the proxy now."""
+        return bool(self._pairs)
+
+    def stall(self) -> None:
+        """Stop passing the server's bytes to the client (TCP then pushes back on the server)."""
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        """Pass the server's bytes on again."""
+        self._flowing.set()
 
     def hold(self) -> None:
         """From now until the next :meth:`cut`, bytes clients send stay in the proxy (in flight)."""
@@ -81,11 +102,20 @@ class CuttableProxy:
             task.add_done_callback(self._tasks.discard)
 
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, upstream: bool) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await source.read(65536):
+        rate = None if upstream else self.downstream_bytes_per_s
+        # RuntimeError: a cut closed the sink while this pipe slept (paced).
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            while True:
+                if not upstream:
+                    await self._flowing.wait()
+                data = await source.read(65536 if rate is None else 2048)
+                if not data:
+                    break
                 if upstream and self.holding:
                     self._held_bytes += len(data)
                     continue
                 sink.write(data)
                 await sink.drain()
+                if rate is not None:
+                    await asyncio.sleep(len(data) / rate)
         sink.transport.abort()

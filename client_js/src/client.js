@@ -10,7 +10,7 @@ import {
   parseFrame,
   parseMessage,
   resumeMessage,
-  startMessage,
+  startFields,
   streamUrl,
 } from './protocol.js';
 import { webAudioBackend } from './player.js';
@@ -86,6 +86,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {StreamMetrics} metrics about every 100 ms while playing
  * @property {{attempt: number, delayMs: number}} reconnecting
  * @property {{afterSeq: number}} resumed
+ * @property {{reason: string}} degraded a replica regenerated the stream and cannot promise the same audio
  * @property {{reason: string, samples: number, lastSeq: number}} done the server finished the stream
  * @property {{reason: string}} ended playback finished (or the stream stopped)
  * @property {{code: string, message: string, fatal: boolean}} error
@@ -212,10 +213,10 @@ export class SpeechStream extends Emitter {
     this.formatReady = true;
   }
 
-  /** @returns {string} the `start` message */
+  /** @returns {string} the `start` message (kept: a resume on another replica may need it) */
   startMessage() {
     const o = this.options;
-    return startMessage(this.id, this.text, {
+    this.state.start = startFields(this.id, this.text, {
       voice: o.voice,
       speed: o.speed,
       format: /** @type {'opus'|'pcm16'|'f32'} */ (this.format),
@@ -225,6 +226,7 @@ export class SpeechStream extends Emitter {
       top_p: o.top_p,
       top_k: o.top_k,
     });
+    return JSON.stringify(this.state.start);
   }
 
   /** The audio path: decoder (Opus) → jitter-buffer player. */
@@ -257,6 +259,7 @@ export class SpeechStream extends Emitter {
   /** @param {Record<string, any>} msg `started` */
   onStarted(msg) {
     this.state.token = msg.stream;
+    this.state.seed = typeof msg.seed === 'number' ? msg.seed : (this.options.seed ?? null);
     this.state.slot = msg.slot;
     this.state.phase = 'live';
     if (msg.format !== this.format || msg.sample_rate !== this.sampleRate) {
@@ -269,6 +272,7 @@ export class SpeechStream extends Emitter {
   /** @param {Record<string, any>} msg `resumed` */
   onResumed(msg) {
     this.state.slot = msg.slot;
+    if (typeof msg.stream === 'string') this.state.token = msg.stream; // a regenerated stream's own token
     this.state.phase = 'live';
     this.state.resumes += 1;
     this.metrics.reconnects += 1;
@@ -579,10 +583,10 @@ export class TTSClient extends Emitter {
     for (const state of resume) {
       const stream = /** @type {SpeechStream} */ (this.streams.get(state.id));
       if (state.phase !== 'detached') continue;
-      const req = /** @type {{stream: string, after_seq: number}} */ (state.resumeRequest());
+      const { stream: token, after_seq: afterSeq, ...regenerate } = /** @type {NonNullable<ReturnType<StreamState['resumeRequest']>>} */ (state.resumeRequest());
       state.phase = 'starting';
       this.pendingResumes.push(stream);
-      this.send(resumeMessage(req.stream, req.after_seq));
+      this.send(resumeMessage(token, afterSeq, regenerate));
     }
     for (const state of restart) {
       const stream = /** @type {SpeechStream} */ (this.streams.get(state.id));
@@ -630,6 +634,9 @@ export class TTSClient extends Emitter {
       }
       case 'segment':
         stream?.onSegment(msg);
+        return;
+      case 'resume_degraded':
+        stream?.emit('degraded', { reason: String(msg.reason ?? '') });
         return;
       case 'done':
         if (!stream) return;

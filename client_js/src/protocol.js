@@ -115,6 +115,23 @@ export const PCM_BYTES = Object.freeze({ pcm16: 2, f32: 4 });
 const START_FIELDS = ['voice', 'speed', 'format', 'sample_rate', 'seed', 'temperature', 'top_p', 'top_k'];
 
 /**
+ * The `start` message as an object; undefined options are left out (the server's defaults apply).
+ * @param {string} id
+ * @param {string} text
+ * @param {StartOptions} [options]
+ * @returns {Record<string, unknown>}
+ */
+export function startFields(id, text, options = {}) {
+  /** @type {Record<string, unknown>} */
+  const msg = { type: 'start', id, text };
+  for (const key of START_FIELDS) {
+    const value = /** @type {Record<string, unknown>} */ (options)[key];
+    if (value !== undefined && value !== null && value !== '') msg[key] = value;
+  }
+  return msg;
+}
+
+/**
  * The `start` message; undefined options are left out (the server's defaults apply).
  * @param {string} id
  * @param {string} text
@@ -122,13 +139,7 @@ const START_FIELDS = ['voice', 'speed', 'format', 'sample_rate', 'seed', 'temper
  * @returns {string} JSON text
  */
 export function startMessage(id, text, options = {}) {
-  /** @type {Record<string, unknown>} */
-  const msg = { type: 'start', id, text };
-  for (const key of START_FIELDS) {
-    const value = /** @type {Record<string, unknown>} */ (options)[key];
-    if (value !== undefined && value !== null && value !== '') msg[key] = value;
-  }
-  return JSON.stringify(msg);
+  return JSON.stringify(startFields(id, text, options));
 }
 
 /**
@@ -142,10 +153,13 @@ export function cancelMessage(id) {
 /**
  * @param {string} token the stream token from `started`
  * @param {number} afterSeq last seq received with no gap before it (-1 for none)
+ * @param {{request?: Record<string, unknown>, segment?: number, segment_sample?: number}} [regenerate]
+ *   what a replica that no longer holds the stream needs to regenerate it: the `start` request
+ *   with its seed, and the last segment taken (docs/protocol.md, Resume on any replica)
  * @returns {string} JSON text of a `resume` message
  */
-export function resumeMessage(token, afterSeq) {
-  return JSON.stringify({ type: 'resume', stream: token, after_seq: afterSeq });
+export function resumeMessage(token, afterSeq, regenerate = {}) {
+  return JSON.stringify({ type: 'resume', stream: token, after_seq: afterSeq, ...regenerate });
 }
 
 /**

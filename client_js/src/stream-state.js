@@ -38,6 +38,14 @@ export class StreamState {
     this.resumes = 0;
     /** @type {Set<string>} segment marks taken, as `seq:sample` */
     this.segmentKeys = new Set();
+    /** @type {Record<string, unknown> | null} the `start` message sent (its fields) */
+    this.start = null;
+    /** @type {number | null} the stream's seed (`started.seed`, or the one asked for) */
+    this.seed = null;
+    /** @type {{index: number, seq: number, sample: number} | null} the last segment mark taken with its `index` */
+    this.lastMark = null;
+    /** @type {{index: number, seq: number, sample: number}[]} marks taken whose frame has not arrived yet */
+    this.pendingMarks = [];
   }
 
   /** @returns {boolean} every frame up to the last one was received */
@@ -62,6 +70,9 @@ export class StreamState {
     }
     if (frame.seq !== this.lastSeq + 1) return 'gap';
     this.lastSeq = frame.seq;
+    while (this.pendingMarks.length && this.pendingMarks[0].seq <= frame.seq) {
+      this.lastMark = /** @type {{index: number, seq: number, sample: number}} */ (this.pendingMarks.shift());
+    }
     this.framesReceived += 1;
     if (frame.last) this.lastFrameSeq = frame.seq;
     return 'new';
@@ -77,16 +88,29 @@ export class StreamState {
     const key = `${msg.seq}:${msg.sample}`;
     if (this.segmentKeys.has(key)) return false;
     this.segmentKeys.add(key);
+    const index = /** @type {{index?: unknown}} */ (msg).index;
+    if (typeof index === 'number' && msg.seq > this.lastSeq) this.pendingMarks.push({ index, seq: msg.seq, sample: msg.sample });
     return true;
   }
 
   /**
-   * The `resume` request for this stream, or null when it cannot or need not be resumed.
-   * @returns {{stream: string, after_seq: number} | null}
+   * The `resume` request for this stream, or null when it cannot or need not be resumed. With the
+   * stream's seed known it carries the `start` request and the last segment taken, so that a
+   * replica that no longer holds the stream can regenerate it.
+   * @returns {{stream: string, after_seq: number, request?: Record<string, unknown>, segment?: number,
+   *   segment_sample?: number} | null}
    */
   resumeRequest() {
     if (this.finished || this.token === null) return null;
-    return { stream: this.token, after_seq: this.lastSeq };
+    /** @type {{stream: string, after_seq: number, request?: Record<string, unknown>, segment?: number, segment_sample?: number}} */
+    const req = { stream: this.token, after_seq: this.lastSeq };
+    if (this.start === null || this.seed === null) return req;
+    req.request = { ...this.start, seed: this.seed };
+    if (this.lastMark !== null) {
+      req.segment = this.lastMark.index;
+      req.segment_sample = this.lastMark.sample;
+    }
+    return req;
   }
 }
 

@@ -207,6 +207,49 @@ test('a lost connection reconnects with ?resume= and resumes after the last cont
   client.close();
 });
 
+test('a resume carries the start request, the seed and the segment; a regenerated stream\'s new token is kept', async () => {
+  const { client } = makeClient();
+  const stream = client.speak('One. Two.', { format: 'pcm16', id: 'a' });
+  const degraded = [];
+  stream.on('degraded', (e) => degraded.push(e.reason));
+  const ws1 = FakeSocket.all[0];
+  ws1.json(HELLO);
+  await until(() => ws1.sent.length === 1);
+  assert.equal(ws1.sent[0].seed, undefined); // none asked: the server picks one
+  ws1.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, seed: 4242 });
+  ws1.json({ type: 'segment', id: 'a', slot: 0, seq: 0, sample: 0, text: 'One.', index: 0 });
+  for (const seq of [0, 1, 2]) ws1.frame({ seq });
+  ws1.json({ type: 'segment', id: 'a', slot: 0, seq: 3, sample: 1500, text: 'Two.', index: 1 });
+  ws1.frame({ seq: 3 });
+  ws1.drop();
+  await until(() => FakeSocket.all.length === 2);
+  const ws2 = FakeSocket.all[1];
+  ws2.json(HELLO);
+  await until(() => ws2.sent.length === 1);
+  assert.deepEqual(ws2.sent[0], {
+    type: 'resume',
+    stream: 't1',
+    after_seq: 3,
+    request: { type: 'start', id: 'a', text: 'One. Two.', format: 'pcm16', sample_rate: 24000, seed: 4242 },
+    segment: 1,
+    segment_sample: 1500,
+  });
+  // Another replica regenerated it: it says the audio may differ, and gives it a token of its own.
+  ws2.json({ type: 'resume_degraded', id: 'a', stream: 't1', reason: 'another engine' });
+  ws2.json({ type: 'resumed', id: 'a', slot: 0, stream: 't2', after_seq: 3, format: 'pcm16', sample_rate: 24000 });
+  ws2.frame({ seq: 4 });
+  ws2.drop();
+  await until(() => FakeSocket.all.length === 3);
+  const ws3 = FakeSocket.all[2];
+  assert.equal(ws3.url, 'ws://tts.test:8080/v1/stream?resume=t2');
+  ws3.json(HELLO);
+  await until(() => ws3.sent.length === 1);
+  assert.equal(ws3.sent[0].stream, 't2');
+  assert.equal(ws3.sent[0].after_seq, 4);
+  assert.deepEqual(degraded, ['another engine']);
+  client.close();
+});
+
 test('a gap in seq drops the connection and resumes from before it', async () => {
   const { client, audio } = makeClient();
   const errors = [];

@@ -70,3 +70,26 @@ test('backoff gives up after its attempts or at the deadline, never waiting past
   assert.equal(d.next(300), 299); // the last try lands before the resume TTL runs out
   assert.equal(d.next(0), null);
 });
+
+test('with its seed and start known, a resume carries what a regeneration needs', () => {
+  const s = new StreamState('a');
+  s.token = 'tok';
+  s.phase = 'detached';
+  s.start = { type: 'start', id: 'a', text: 'One. Two.', format: 'pcm16' };
+  assert.deepEqual(s.resumeRequest(), { stream: 'tok', after_seq: -1 }); // no seed yet
+  s.seed = 77;
+  s.takeSegment({ seq: 0, sample: 0, index: 0 });
+  for (let i = 0; i < 10; i++) s.accept(frame(i));
+  s.takeSegment({ seq: 9, sample: 4400, index: 1 }); // a mark of a frame already taken: not counted
+  s.takeSegment({ seq: 12, sample: 5900, index: 2 }); // its frame has not come
+  assert.deepEqual(s.resumeRequest(), {
+    stream: 'tok',
+    after_seq: 9,
+    request: { type: 'start', id: 'a', text: 'One. Two.', format: 'pcm16', seed: 77 },
+    segment: 0,
+    segment_sample: 0,
+  });
+  for (let i = 10; i < 13; i++) s.accept(frame(i));
+  assert.equal(s.resumeRequest()?.segment, 2);
+  assert.equal(s.resumeRequest()?.segment_sample, 5900);
+});

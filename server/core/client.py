@@ -70,6 +70,9 @@ class GenerateRequest:
         client: who asks (its rate-limit identity): admission and the queue are fair by client.
         on_queued: told the change in bytes of audio received but not yet read from the
             generation (a memory budget counts it).
+        first_segment: the stream's index of ``segments[0]``: a stream regenerated from its
+            k-th segment on (a resume on another replica) draws each segment's random numbers
+            as the whole stream did (seed offset ``first_segment + i``).
     """
 
     segments: tuple[str, ...]
@@ -77,6 +80,7 @@ class GenerateRequest:
     incremental: bool = False
     client: str = ""
     on_queued: Callable[[int], None] | None = None
+    first_segment: int = 0
 
 
 #: What one queued ``Audio`` event costs besides its samples (the event and array objects).
@@ -274,8 +278,16 @@ class EngineClient:
         self._adds_sent += 1
         self._pending_clients.append(request.client)
         self._pending_by_client[request.client] += 1
-        closed, client = not request.incremental, request.client
-        self._core.send(Add(generation.stream_id, request.segments, request.params, closed, client))
+        self._core.send(
+            Add(
+                generation.stream_id,
+                request.segments,
+                request.params,
+                input_closed=not request.incremental,
+                client=request.client,
+                first_segment=request.first_segment,
+            )
+        )
         self._count_queue()
         return generation
 

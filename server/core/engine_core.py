@@ -198,6 +198,7 @@ class EngineCore:
                         input_closed=command.input_closed,
                         now=now,
                         client=command.client,
+                        first_segment=command.first_segment,
                     )
                 )
             case Append(stream_id=stream_id, text=text):

@@ -23,13 +23,17 @@ EndReason = Literal["complete", "cancelled", "error"]
 
 @dataclass(frozen=True, slots=True)
 class Add:
-    """A new stream: its first segments; ``input_closed`` is False while more may be appended."""
+    """A new stream: its first segments; ``input_closed`` is False while more may be appended.
+
+    ``first_segment``: the stream's index of ``segments[0]`` (its seed offset).
+    """
 
     stream_id: int
     segments: tuple[str, ...]
     params: SynthesisParams
     input_closed: bool = True
     client: str = ""  # who asked: the queue takes turns by client
+    first_segment: int = 0  # the stream's index of segments[0] (its seed offset)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ class StreamPlan:
         live_seqs: engine sequence id → segment index, for segments queued or running.
         ended: no more events follow (complete, cancelled or failed).
         client: who asked for it (its rate-limit identity): the queue takes turns by client.
+        first_segment: the stream's index of ``segments[0]``, added to each segment's seed offset
+            (a stream regenerated from a later segment draws as the whole stream did).
     """
 
     stream_id: int
@@ -47,6 +49,7 @@ class StreamPlan:
     live_seqs: dict[int, int] = field(default_factory=dict)
     ended: bool = False
     client: str = ""
+    first_segment: int = 0
 
     def segments_to_queue(self, lookahead: int) -> list[int]:
         """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.

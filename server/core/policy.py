@@ -185,9 +185,17 @@ class SchedulingPolicy:
         input_closed: bool,
         now: float,
         client: str = "",
+        first_segment: int = 0,
     ) -> list[StreamEvent]:
-        """A new stream (``client`` asked for it); an empty closed one completes at once."""
-        plan = StreamPlan(stream_id, params, list(segments), input_closed=input_closed, client=client)
+        """A new stream (``client`` asked; ``first_segment``: its seed offset); empty, closed: done now."""
+        plan = StreamPlan(
+            stream_id,
+            params,
+            list(segments),
+            input_closed=input_closed,
+            client=client,
+            first_segment=first_segment,
+        )
         if self.breaker_open:  # admitted just before the breaker opened: it would wait for nothing
             return [Ended(stream_id, "error", BREAKER_MESSAGE)]
         self._plans[stream_id] = plan
@@ -306,7 +314,7 @@ class SchedulingPolicy:
                     text=plan.segments[entry.segment],
                     params=plan.params,
                     max_tokens=self.config.max_tokens_per_segment,
-                    seed_offset=entry.segment,
+                    seed_offset=plan.first_segment + entry.segment,
                 )
             )
             waited.append(now - entry.since)

@@ -7,7 +7,7 @@ its generation received but has not encoded yet (the encoder's queue,
 objects. Bounds per stream (``--replay-max-bytes``, ``--max-buffered-s``) are not enough:
 many streams that nobody reads would add up without end. When the total passes
 ``--memory-budget-bytes`` the service frees streams until it fits
-(:meth:`SpeechService.free_over_budget <server.streams.service.SpeechService>`): delivered
+(:meth:`StreamRegistry.free_for_budget <server.streams.registry.StreamRegistry>`): delivered
 ones first, then those of the client that holds the most, its biggest first, so the client
 that does not read its audio pays, not the others. Bytes on their way through a socket are
 bounded per connection by the front ends' write buffers, not counted here.

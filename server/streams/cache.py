@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.streams.outbox import Frame, OutItem
+from server.streams.items import Frame, OutItem
 from server.streams.request import SpeechRequest
 
 

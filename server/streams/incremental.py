@@ -11,6 +11,7 @@ the timer is owned and cancelled here.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from server.core.client import Generation
 from server.errors import InvalidRequest, TextTooLong
@@ -31,7 +32,8 @@ class TextFeed:
         max_pending_chars: int,
         delay_s: float,
     ) -> None:
-        self._generation = generation
+        #: The stream's generation, which each complete segment goes to.
+        self.generation = generation
         self.buffer = buffer
         self.total_chars = total_chars
         self.max_total_chars = max_total_chars
@@ -80,7 +82,7 @@ class TextFeed:
         self._submit(self.buffer.take_all())
         self._disarm()
         self.ended = True
-        self._generation.end_input()
+        self.generation.end_input()
 
     def close(self) -> None:
         """The stream is over (cancelled, failed or freed): stop the timer."""
@@ -100,7 +102,7 @@ class TextFeed:
 
     def _submit(self, segments: list[str]) -> None:
         for segment in segments:
-            self._generation.append(segment)
+            self.generation.append(segment)
 
     def _arm(self) -> None:
         """(Re)start the stall timer while text is pending."""
@@ -118,3 +120,25 @@ class TextFeed:
         if not self.ended:
             self._submit(self.buffer.take_clause())
             self._arm()
+
+
+def open_feed(
+    generate: Callable[[tuple[str, ...]], Generation],
+    text: str,
+    *,
+    segment_max_chars: int,
+    max_total_chars: int,
+    max_pending_chars: int,
+    delay_s: float,
+) -> TextFeed:
+    """An incremental stream's text side: ``text``'s complete segments go to ``generate`` now."""
+    buffer = TextBuffer(max_chars=segment_max_chars)
+    generation = generate(tuple(buffer.append(text)))
+    return TextFeed(
+        generation,
+        buffer,
+        total_chars=len(text),
+        max_total_chars=max_total_chars,
+        max_pending_chars=max_pending_chars,
+        delay_s=delay_s,
+    )

@@ -20,73 +20,7 @@ from server.core.events import EndReason
 from server.engine_api import NATIVE_SAMPLE_RATE
 from server.errors import InvalidRequest, ResumeExpired, ServiceError
 from server.streams.budget import ITEM_OVERHEAD_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One audio frame: its seq (``position``), first sample offset at the output rate, payload."""
-
-    position: int
-    payload: bytes
-    sample: int
-    samples: int
-    last: bool = False
-    segment_start: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentMark:
-    """A text segment starts in the frame with seq ``position``, at output sample ``sample``."""
-
-    position: int
-    sample: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class WordSpan:
-    """One spoken word and its samples, ``start`` ≤ sample < ``end``, from the stream start."""
-
-    text: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class Words:
-    """The words of one text segment, timed; sent before the frame with seq ``position``.
-
-    Streams that asked for word timestamps get one after each segment's :class:`SegmentMark`
-    and before the frame that holds the segment's last sample.
-    """
-
-    position: int
-    start: int  # the segment's first sample
-    end: int  # one past its last sample
-    words: tuple[WordSpan, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """The stream failed; a :class:`Done` with reason ``error`` follows."""
-
-    position: int
-    error: ServiceError
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """The last item: why the stream ended, its last seq and its length in output samples."""
-
-    position: int
-    reason: EndReason
-    last_seq: int
-    samples: int
-
-
-#: ``position``: a frame's seq; a mark's frame; ``Words``: the next frame's; ``Failure``/``Done``:
-#: last seq + 1. A resume after seq ``n`` replays every item with ``position > n``.
-OutItem = Frame | SegmentMark | Words | Failure | Done
+from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark, Words, WordSpan
 
 
 @dataclass(slots=True)
@@ -133,6 +67,7 @@ class Outbox:
         self._native_in = 0  # native samples received so far
         self._marks: deque[_PendingMark] = deque()  # segments whose first frame is not numbered yet
         self._segment_native = 0  # native sample where the newest segment starts
+        self._segments = 0  # the index of the next segment
         self._max_unsent_samples = int(max_unsent_s * sample_rate)
         self._replay_max_samples = int(replay_max_s * sample_rate)
         self._replay_max_bytes = replay_max_bytes
@@ -146,6 +81,23 @@ class Outbox:
         #: Bytes charged to the memory budget for the items held (payloads and their objects).
         self.charged_bytes = 0
         self._released = False
+        self._skip_through = -1  # a regenerated stream: items up to this seq are never held
+
+    def start_at(self, *, seq: int, sample: int, native: int, skip_through: int, segment: int = 0) -> None:
+        """Number a regenerated stream from its middle, and drop what the client has.
+
+        Its next frame is ``seq`` at output ``sample``, ``native`` native samples came
+        before, its next segment is ``segment``, and items with a seq up to ``skip_through``
+        are dropped as they come (``Done`` never is).
+
+        A resume before ``skip_through`` then answers ``ResumeExpired``, and nothing of this
+        stream goes into the response cache.
+        """
+        self._next_seq, self._next_sample, self._native_in = seq, sample, native
+        self._segments = segment
+        self._sent_samples = sample
+        self._skip_through = skip_through
+        self._evicted_position = max(self._evicted_position, skip_through)
 
     # --- producing -----------------------------------------------------------
 
@@ -238,9 +190,10 @@ class Outbox:
             starts = False
             while self._marks and (self._marks[0].offset < end or is_last):
                 mark = self._marks.popleft()
+                index, self._segments = self._segments, self._segments + 1
                 starts = True
                 at = min(mark.offset, max(sample, end - 1)) if frame.samples else sample
-                self._append(SegmentMark(seq, at, mark.text))
+                self._append(SegmentMark(seq, at, mark.text, index))
                 if mark.words is not None:
                     self._append(dataclasses.replace(mark.words, position=seq))
             self._append(Frame(seq, frame.payload, sample, frame.samples, is_last, starts))
@@ -248,6 +201,10 @@ class Outbox:
             self._next_sample = end
 
     def _append(self, item: OutItem) -> None:
+        if item.position <= self._skip_through and not isinstance(item, Done):
+            if isinstance(item, Frame):
+                self._sent_samples += item.samples  # the client has it: never unsent
+            return
         self._items.append(item)
         if isinstance(item, Frame):
             self._held_bytes += len(item.payload)

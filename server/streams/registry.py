@@ -1,4 +1,4 @@
-"""Every live stream by its resume token, and which of them the TTL or the replay budget frees."""
+"""Every live stream by its resume token, and which of them the TTL, the replay or the memory budget frees."""
 
 from __future__ import annotations
 
@@ -50,8 +50,34 @@ class StreamRegistry:
             s for s in self._streams.values() if (since := s.idle_since()) is not None and since <= deadline
         ]
 
+    def sweep(self, replay_total_bytes: int) -> None:
+        """Free every stream whose TTL has passed, then delivered ones over the replay budget."""
+        for stream in self.expired():
+            if stream.state is StreamState.DETACHED:
+                stream.expire()
+            else:
+                stream.close()
+        for stream in self.over_budget(replay_total_bytes):
+            stream.close()
+
+    def free_for_budget(self, budget: MemoryBudget) -> list[Stream]:
+        """Free streams until ``budget`` is kept again; returns those freed.
+
+        Delivered streams (kept only for a late resume) go first, oldest first; then the
+        streams of the client that holds the most, its biggest first. A freed stream's
+        connection, if it has one, is aborted (its client was not reading fast enough: the
+        same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
+        """
+        freed = []
+        while budget.over and (victim := self.budget_victim(budget)) is not None:
+            if victim.lease is not None:
+                victim.lease.abort("over the server's memory budget: the client holds the most unsent audio")
+            victim.close("budget")
+            freed.append(victim)
+        return freed
+
     def budget_victim(self, budget: MemoryBudget) -> Stream | None:
-        """The stream to free next for the memory budget (see ``SpeechService.free_over_budget``)."""
+        """The stream to free next for the memory budget (:meth:`free_for_budget`)."""
         streams = self._streams.values()  # oldest first
         delivered = next((s for s in streams if s.state is StreamState.DELIVERED), None)
         if delivered is not None:

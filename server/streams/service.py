@@ -1,11 +1,9 @@
-"""The stream-level API every front end shares: admit, open, find, resume, abandon, sweep.
+"""The stream-level API every front end shares: admit, open, find, resume, regenerate, sweep.
 
-:class:`SpeechService` validates a :class:`SpeechRequest`, splits its text,
-builds the stream (encoder, outbox, generation, text input) complete, and
-registers it for resume. A front end then pulls the stream's items itself
-(:meth:`Stream.deliver`); the stream owns its end (delivered, expired, closed)
-and tells the registry when it is freed. Errors are domain errors
-(``server.errors``); each front end maps them to its own wire codes.
+:class:`SpeechService` checks a :class:`SpeechRequest` (:mod:`server.streams.checks`), splits
+its text, builds the stream (encoder, outbox, generation, text input) complete and registers
+it. A front end then pulls the stream's items (:meth:`Stream.deliver`); the stream owns its
+end and tells the registry when it is freed. Errors are domain errors (``server.errors``).
 """
 
 from __future__ import annotations
@@ -13,29 +11,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from server.audio import UnsupportedAudio, make_encoder
 from server.audio.base import FrameEncoder
 from server.config import Settings
 from server.core.client import EngineClient, GenerateRequest, Generation
-from server.engine_api import SynthesisParams
-from server.errors import Draining, InvalidRequest, RateLimited, TextTooLong, UnknownStream, Unsupported
+from server.errors import Draining, RateLimited, UnknownStream
 from server.metrics import Metrics
 from server.streams.budget import MemoryBudget
 from server.streams.cache import ResponseCache, cache_key
-from server.streams.incremental import TextFeed
+from server.streams.checks import params_with_voice, speakable_segments, stream_encoder
+from server.streams.failover import Regeneration, ResumePoint
+from server.streams.failover import plan as plan_regeneration
+from server.streams.incremental import TextFeed, open_feed
 from server.streams.limits import ClientLimiter
 from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
+from server.streams.routing import Claims, Router, request_digest
 from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
 from server.streams.timing import SegmentWords
-from server.text.segments import TextBuffer, has_speakable, split_segments
-from server.text.tags import problem as tag_problem
-from server.text.tags import refine_prompt_problem
 from server.voices.library import StoredVoice, VoiceLibrary
 
 log = logging.getLogger(__name__)
@@ -82,14 +80,16 @@ class SpeechService:
         )
         #: Voices made from recordings (``POST /v1/audio/voices``), by id.
         self.voices = VoiceLibrary(settings, engine)
+        #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
+        self.router: Router | None = None
 
     def voice_names(self, owner: str | None = None) -> tuple[str, ...]:
         """Every voice name ``owner`` may use: the engine's, then those made from recordings it sees."""
         return (*self.engine.info.voices, *(v.id for v in self.voices.all(owner)))
 
-    def knows_voice(self, voice: str) -> bool:
-        """Whether ``voice`` can be spoken: the engine's (``seed:``, speakers too) or a recording's."""
-        return self.voices.get(voice) is not None or self.engine.validate_voice(voice)
+    def knows_voice(self, voice: str, owner: str | None = None) -> bool:
+        """Whether ``owner`` may speak ``voice``: the engine's (``seed:``, speakers) or a recording's."""
+        return self.voices.get(voice, owner) is not None or self.engine.validate_voice(voice)
 
     # --- admission -------------------------------------------------------------------------
 
@@ -100,8 +100,7 @@ class SpeechService:
 
     def check_rate(self, client: str) -> None:
         """Raise ``RateLimited`` (with ``retry_after_ms``) when ``client`` starts too often."""
-        wait_ms = self.limiter.retry_after_ms(client)
-        if wait_ms:
+        if wait_ms := self.limiter.retry_after_ms(client):
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
 
     def admit(self, client: str) -> None:
@@ -124,14 +123,19 @@ class SpeechService:
         resumable: bool = True,
         client: str | None = None,
         owner: str | None = None,
+        regeneration: Regeneration | None = None,
+        token: str | None = None,
     ) -> Stream:
         """Validate ``request``, start generating it (or answer it from the cache), register it.
 
         ``lease`` is the front end that sends the stream; ``route`` goes into the token.
         ``client`` (its rate-limit identity) is rate-limited: a token is spent only when the
         stream is opened, so a refused request costs none. ``owner`` (the client's tenant;
-        None: no tenants) owns the stream: only it may resume it, and it speaks only the
-        voices ``owner`` sees.
+        None: no tenants) owns the stream: only it may resume it (on any replica: a signed
+        token names it), and it speaks only the voices ``owner`` sees. A resumable stream
+        without a seed gets one (``stream.seed``), so that another replica can regenerate it.
+        ``regeneration``: a stream that was lost elsewhere, started over from a segment (no
+        cache then), registered under ``token`` when given.
 
         Raises:
             ServiceError: ``Draining``, ``RateLimited``, ``InvalidRequest``, ``TextTooLong``,
@@ -140,6 +144,9 @@ class SpeechService:
         self.check_accepting()
         if client is not None and (wait_ms := self.limiter.wait_ms(client)):
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
+        cacheable = request.seed is not None and regeneration is None
+        if request.seed is None and resumable:  # reported in `started`; never a cache key
+            request = dataclasses.replace(request, seed=secrets.randbits(63))
         stored = self.voices.get(request.voice, owner)
         encoder = self._encoder_for(request, stored)
         s = self.settings
@@ -154,13 +161,20 @@ class SpeechService:
         generation: Generation | None
         text_feed: TextFeed | None = None
         on_complete: Callable[[Stream], None] | None = None
+        if regeneration is not None:
+            regeneration.prepare(encoder, outbox)
         if request.incremental:
             generation, text_feed = self._start_incremental(request, who)
         else:
-            generation, on_complete = self._start_whole(request, outbox, who)
+            first = 0 if regeneration is None else regeneration.first_segment
+            generation, on_complete = self._start_whole(request, outbox, who, first, cacheable)
+        if token is None:
+            token = (
+                new_stream_token(route) if self.router is None else self.router.mint(request, route, owner)
+            )
         stream = Stream(
             name=request.name,
-            token=new_stream_token(route),
+            token=token,
             encoder=encoder,
             outbox=outbox,
             lease=lease,
@@ -176,6 +190,7 @@ class SpeechService:
             clock=self._clock,
             owner=owner,
             client=who.client,
+            seed=request.seed,
         )
         self.registry.add(stream)
         if client is not None:
@@ -185,11 +200,11 @@ class SpeechService:
         return stream
 
     def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox, who: _Who
+        self, request: SpeechRequest, outbox: Outbox, who: _Who, first: int = 0, cacheable: bool = True
     ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
-        """Generate the whole text, or fill ``outbox`` from the cache (then no generation)."""
+        """Generate the text from segment ``first`` on, or fill ``outbox`` from the cache (no generation)."""
         segments = self._segments(request)
-        cache, key = self.cache, None
+        cache, key = (self.cache if cacheable else None), None
         if cache is not None:
             digest = who.voice.sample.digest if who.voice is not None else ""
             key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
@@ -202,83 +217,44 @@ class SpeechService:
                 return None, None
             self.metrics.cache_misses.inc()
             on_complete = self._storer(cache, key)
-        params = self._params(request, who.voice)
+        params = params_with_voice(request, who.voice)
         generation = self.engine.generate(
-            GenerateRequest(segments=segments, params=params, client=who.client, on_queued=who.charge)
+            GenerateRequest(
+                segments=segments[first:],
+                params=params,
+                client=who.client,
+                on_queued=who.charge,
+                first_segment=first,
+            )
         )
         return generation, on_complete
 
     def _encoder_for(self, request: SpeechRequest, stored: StoredVoice | None) -> FrameEncoder:
-        """The stream's encoder; checks text size, control tags, format, rate and voice first."""
-        limit = self.settings.max_text_chars
-        if request.text is None and not request.incremental:
-            raise InvalidRequest("missing field `text`")
-        if request.text is not None and len(request.text) > limit:
-            raise TextTooLong(f"text has {len(request.text)} characters; the limit is {limit}")
-        # An incremental stream's first text may end inside a tag that a later append closes.
-        if (problem := tag_problem(request.text or "", open_end=request.incremental)) is not None:
-            raise InvalidRequest(problem)
-        s = self.settings
-        try:
-            encoder = make_encoder(
-                request.format,
-                request.sample_rate,
-                opus_bitrate=s.opus_bitrate,
-                opus_complexity=s.opus_complexity,
-                ogg_page_ms=s.ogg_page_ms,
-                mp3_bitrate=s.mp3_bitrate,
-            )
-        except (UnsupportedAudio, ValueError) as exc:
-            raise Unsupported(str(exc)) from None
-        if stored is None and not self.engine.validate_voice(request.voice):
-            raise Unsupported(f"unknown voice {request.voice!r}")
-        if request.refine and not self.engine.info.refine:
-            raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")
-        if (problem := refine_prompt_problem(request.refine_prompt)) is not None:
-            raise InvalidRequest(problem)
-        return encoder
-
-    @staticmethod
-    def _params(request: SpeechRequest, stored: StoredVoice | None) -> SynthesisParams:
-        """The request's synthesis parameters; a voice from a recording travels with them."""
-        if stored is None:
-            return request.params
-        return dataclasses.replace(request.params, reference=stored.sample)
+        # With signed tokens the Ogg serial is the request's, so that a regeneration matches.
+        serial = None if self.router is None else int.from_bytes(request_digest(request)[:4])
+        return stream_encoder(request, stored, self.settings, self.engine, ogg_serial=serial)
 
     def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
-        max_chars = self.settings.segment_max_chars
-        text = request.text or ""
-        segments = tuple(seg for seg in split_segments(text, max_chars=max_chars) if has_speakable(seg))
-        if not segments:
-            raise InvalidRequest(
-                "text has nothing to speak (ChatTTS speaks Chinese and English; "
-                "other scripts, emoji and punctuation are skipped)"
-            )
-        return segments
+        return speakable_segments(request.text or "", self.settings.segment_max_chars)
 
     def _start_incremental(self, request: SpeechRequest, who: _Who) -> tuple[Generation, TextFeed]:
-        s = self.settings
-        text = request.text or ""
-        buffer = TextBuffer(max_chars=s.segment_max_chars)
-        first = tuple(buffer.append(text))
-        params = self._params(request, who.voice)
-        generation = self.engine.generate(
-            GenerateRequest(
-                segments=first, params=params, incremental=True, client=who.client, on_queued=who.charge
-            )
-        )
+        s, params = self.settings, params_with_voice(request, who.voice)
         delay_ms = (
             s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
         )
-        feed = TextFeed(
-            generation,
-            buffer,
-            total_chars=len(text),
+        feed = open_feed(
+            lambda first: self.engine.generate(
+                GenerateRequest(
+                    segments=first, params=params, incremental=True, client=who.client, on_queued=who.charge
+                )
+            ),
+            request.text or "",
+            segment_max_chars=s.segment_max_chars,
             max_total_chars=s.max_text_chars,
             max_pending_chars=s.max_pending_chars,
-            delay_s=delay_ms / 1000,
+            delay_s=(s.max_buffer_delay_ms if delay_ms is None else delay_ms) / 1000,
         )
-        return generation, feed
+        return feed.generation, feed
 
     @property
     def _engine_identity(self) -> str:
@@ -308,6 +284,50 @@ class SpeechService:
         if stream is None or not stream.resumable or stream.owner != owner:
             raise UnknownStream("no stream with this token is held here")
         return stream
+
+    def regenerate(
+        self,
+        claims: Claims,
+        request: SpeechRequest,
+        point: ResumePoint,
+        lease: Lease,
+        *,
+        token: str | None = None,
+        client: str | None = None,
+        owner: str | None = None,
+    ) -> tuple[Stream, str | None]:
+        """Start again, here, a stream that is gone (``claims``: its verified token) from ``point`` on.
+
+        Returns the new stream, whose items after ``point.after_seq`` equal the lost ones'
+        (its index to send from is ``stream.outbox.sent_index``), and why they may differ
+        (None: exact). It gets a token of its own, owned here, unless ``token`` is given.
+        ``client`` and ``owner`` as for :meth:`open`; only the tenant the token names
+        (``owner``) may regenerate it.
+
+        Raises:
+            UnknownStream: it cannot be regenerated (no seed, incremental, not the token's request).
+            ServiceError: as :meth:`open` (draining, overloaded, an unknown voice, ...).
+        """
+        assert self.router is not None, "regeneration needs signed tokens"
+        self.check_accepting()
+        regeneration = plan_regeneration(
+            request,
+            claims,
+            point,
+            segments=len(self._segments(request)),
+            fingerprint=self.router.fingerprint,
+            engine=self.engine.info,
+            owner=owner,
+        )
+        stream = self.open(request, lease, regeneration=regeneration, token=token, client=client, owner=owner)
+        log.info(
+            "stream %s regenerated from segment %d after seq %d%s",
+            redact(stream.token),
+            regeneration.first_segment,
+            point.after_seq,
+            "" if regeneration.degraded is None else f" (degraded: {regeneration.degraded})",
+        )
+        return stream, regeneration.degraded
 
     def resume(self, stream: Stream, after_seq: int, lease: Lease) -> int:
         """Move ``stream`` to ``lease`` and rewind it; returns the outbox index to send from.
@@ -339,36 +359,22 @@ class SpeechService:
 
     def sweep(self) -> None:
         """Free every stream whose TTL has passed, then delivered ones over the replay budget."""
-        for stream in self.registry.expired():
-            if stream.state is StreamState.DETACHED:
-                stream.expire()
-            else:
-                stream.close()
-        for stream in self.registry.over_budget(self.settings.replay_total_bytes):
-            stream.close()
+        self.registry.sweep(self.settings.replay_total_bytes)
         self.metrics.buffered_bytes.set(self.budget.total)
 
     def free_over_budget(self) -> None:
         """Past ``--memory-budget-bytes``: free streams until what is buffered fits again.
 
-        Delivered streams (kept only for a late resume) go first, oldest first; then the
-        streams of the client that holds the most, its biggest first. A freed stream's
-        connection, if it has one, is aborted (its client was not reading fast enough: the
-        same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
+        :meth:`StreamRegistry.free_for_budget` says which; the client that holds the most pays.
         """
-        before, freed, clients = self.budget.total, 0, set()
-        while self.budget.over and (victim := self.registry.budget_victim(self.budget)) is not None:
-            if victim.lease is not None:
-                victim.lease.abort("over the server's memory budget: the client holds the most unsent audio")
-            clients.add(victim.client)
-            victim.close("budget")
-            freed += 1
+        before = self.budget.total
+        freed = self.registry.free_for_budget(self.budget)
         # One line per pass, not per stream: a client that keeps meeting the budget cannot flood the log.
         log.warning(
             "memory budget (--memory-budget-bytes %d) passed: freed %d streams of %s, %d → %d bytes",
             self.budget.limit,
-            freed,
-            ", ".join(sorted(clients)) or "no client",
+            len(freed),
+            ", ".join(sorted({s.client for s in freed})) or "no client",
             before,
             self.budget.total,
         )

@@ -36,7 +36,8 @@ from server.core.events import Audio, Ended, SegmentStarted
 from server.errors import EngineFailed
 from server.metrics import Metrics
 from server.streams.incremental import TextFeed
-from server.streams.outbox import BufferOverflow, Frame, Outbox, OutItem
+from server.streams.items import Frame, OutItem
+from server.streams.outbox import BufferOverflow, Outbox
 from server.streams.timing import SegmentWords
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ def new_stream_token(route: str | None = None) -> str:
 
 def redact(token: str) -> str:
     """A token as it may appear in logs: the route and 6 characters of the secret."""
+    parts = token.split(".")
+    if len(parts) >= 4:  # signed (server.streams.routing): [route.]owner.digests.secret.mac
+        route = f"{parts[0]}." if len(parts) == 5 else ""
+        return f"{route}{parts[-2][:6]}…"
     route, dot, secret = token.rpartition(".")
     return f"{route}{dot}{secret[:6]}…"
 
@@ -110,6 +115,7 @@ class Stream:
         clock: Callable[[], float] = time.monotonic,
         owner: str | None = None,
         client: str = "",
+        seed: int | None = None,
     ) -> None:
         self.name = name  # the client's id for the stream
         self.token = token
@@ -117,6 +123,7 @@ class Stream:
         self.owner = owner
         #: Who started it (its rate-limit identity): whose share of the memory budget it uses.
         self.client = client
+        self.seed = seed  # its sampling seed (the client's, or the server's pick)
         self.encoder = encoder
         self.outbox = outbox
         #: Where ``append``/``flush``/``end`` go (incremental streams only).

@@ -8,6 +8,7 @@ test_k8s_manifests.py and test_autoscaling.py; here: what a value changes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import yaml
 from server.config import VERSION, Settings, load_settings
 from server.frontends.access import read_api_keys
 from server.frontends.wyoming.server import exposure_problem
+from server.streams.routing import router_config
 from tests.deploy.manifests import CHART, Manifests, RenderError, k8s, lint, render
 
 Doc = dict[str, Any]
@@ -200,15 +202,37 @@ def test_a_resume_secret_is_mounted_as_the_file_the_flag_names(values: dict[str,
         render(values={"resumeSecret": {"value": "x" * 32, "existingSecret": "y"}})
 
 
-@pytest.mark.xfail(
-    "resume_secret_file" not in Settings.__dataclass_fields__,
-    reason="the server's --resume-secret-file is built with issue 24's signed tokens",
-    strict=True,
-)
-def test_the_resume_secret_file_is_a_server_flag() -> None:
+def _pod_env(m: Manifests, pod_ip: str) -> dict[str, str]:
+    """The CHATTTS_* variables as the kubelet gives them to a pod at ``pod_ip`` (``$(VAR)`` expanded)."""
+    entries = m.container()["env"]
+    known: dict[str, str] = {}
+    for entry in entries:
+        if entry.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            known[entry["name"]] = pod_ip
+        elif "value" in entry:
+            value = entry["value"]
+            for name, seen in known.items():  # only variables defined above it, as Kubernetes does
+                value = value.replace(f"$({name})", seen)
+            known[entry["name"]] = value
+    return {k: v for k, v in known.items() if k.startswith("CHATTTS_")}
+
+
+def test_a_resume_secret_makes_every_pod_a_forwarding_replica_at_its_pod_ip(tmp_path: Path) -> None:
     m = render(values={"resumeSecret": {"value": "a-shared-resume-secret-of-enough-length"}})
-    env = {k: v for k, v in m.env().items() if k.startswith("CHATTTS_")}
-    assert load_settings([], env=env).resume_secret_file == env["CHATTTS_RESUME_SECRET_FILE"]
+    env = _pod_env(m, "10.244.1.17")
+    settings = load_settings([], env=env)
+    assert settings.resume_secret_file == env["CHATTTS_RESUME_SECRET_FILE"]
+    assert settings.advertise_url == f"ws://10.244.1.17:{m.ws_port()}"
+    # The server's own start-up check accepts it: the pod IP lies in the default --forward-allow.
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("a-shared-resume-secret-of-enough-length")
+    config = router_config(dataclasses.replace(settings, resume_secret_file=str(secret_file)), m.ws_port())
+    assert config is not None and config.advertise_url == settings.advertise_url
+    # Without a secret nothing is advertised (resume stays on the replica that holds the stream).
+    plain = _pod_env(render(values={}), "10.244.1.17")
+    assert "CHATTTS_ADVERTISE_URL" not in plain and "CHATTTS_RESUME_SECRET_FILE" not in plain
+    with pytest.raises(RenderError, match="advertise-url"):
+        render(values={"config": {"advertise-url": "ws://10.0.0.1:8080"}})
 
 
 # --- optional parts ----------------------------------------------------------------------------

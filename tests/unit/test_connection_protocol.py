@@ -26,7 +26,7 @@ from server.frontends.websocket.session import (
     StartPump,
     StopPump,
 )
-from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark
+from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark
 from server.streams.service import SpeechService
 from server.streams.stream import StreamState
 from tests.unit.conftest import MakeService

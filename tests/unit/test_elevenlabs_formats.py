@@ -6,7 +6,7 @@ import pytest
 
 from server.frontends.elevenlabs.alignment import rest_alignment, ws_alignment
 from server.frontends.elevenlabs.formats import ElevenLabsError, output_format, speed_of
-from server.streams.outbox import Words, WordSpan
+from server.streams.items import Words, WordSpan
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ import pytest
 
 from server.audio.base import EncodedFrame
 from server.errors import ResumeExpired
-from server.streams.outbox import BufferOverflow, Done, Frame, Outbox, SegmentMark
+from server.streams.items import Done, Frame, SegmentMark
+from server.streams.outbox import BufferOverflow, Outbox
 from server.streams.stream import new_stream_token, redact
 
 FRAME = EncodedFrame(b"\x00" * 960, 480)

@@ -15,7 +15,7 @@ from server.frontends.websocket.wire import (
     parse_client_message,
     unpack_frame,
 )
-from server.streams.outbox import Frame
+from server.streams.items import Frame
 
 
 def test_header_round_trip_is_12_bytes_little_endian() -> None:

@@ -10,7 +10,8 @@ import pytest
 from server.audio import make_encoder
 from server.audio.base import EncodedFrame
 from server.metrics import Metrics
-from server.streams.outbox import Done, Outbox, OutItem
+from server.streams.items import Done, OutItem
+from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
 from server.streams.stream import Lease, Stream, StreamState
 

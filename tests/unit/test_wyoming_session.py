@@ -36,7 +36,7 @@ from server.frontends.wyoming.session import (
     voice_of,
     wyoming_info,
 )
-from server.streams.outbox import Frame, OutItem
+from server.streams.items import Frame, OutItem
 from server.streams.service import SpeechService
 from server.streams.stream import StreamState
 from tests.unit.conftest import MakeService

@@ -311,6 +311,9 @@ class Client:
             stream._on_segment(message)
         elif kind == "words" and stream is not None:
             stream._on_words(message)
+        elif kind == "resume_degraded" and stream is not None:
+            stream.degraded = str(message.get("reason", "the audio may differ"))
+            log.warning("stream %s resumed, but its audio may differ: %s", stream.id, stream.degraded)
         elif kind == "done" and stream is not None:
             stream._on_done(message)
             self._forget(stream)
@@ -390,6 +393,6 @@ class Client:
         for stream in list(self._streams.values()):
             if stream.phase == "detached":
                 self._resuming.append(stream)
-                await self._send({"type": "resume", "stream": stream.token, "after_seq": stream.last_seq})
+                await self._send(stream._resume_message())
             elif stream.phase == "starting":
                 await stream._restart()

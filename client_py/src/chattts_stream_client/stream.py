@@ -49,6 +49,10 @@ class SpeechStream:
         self.sample_rate: int = int(start.get("sample_rate", 24_000))
         #: Opus only: decoded samples to drop at the start (``started.preskip``).
         self.preskip = 0
+        #: The stream's seed (``started.seed``: the one asked for, or the server's pick).
+        self.seed: int | None = None
+        #: Why a resume could not promise the same audio (``resume_degraded``); None: it did.
+        self.degraded: str | None = None
         #: Last seq taken with none missing before it: the ``after_seq`` of a resume.
         self.last_seq = -1
         self.done: Done | None = None
@@ -58,7 +62,7 @@ class SpeechStream:
         #: ``segment`` messages in order, each once.
         self.segments: list[Segment] = []
         self._pending_segments: dict[int, list[Segment]] = {}
-        self._segment_keys: set[tuple[int, int]] = set()
+        self._segment_keys: set[tuple[int, int, int | None]] = set()
         #: Every word timed so far, in order, each once (``word_timestamps`` streams).
         self.words: list[Word] = []
         self._pending_words: dict[int, list[Word]] = {}
@@ -202,8 +206,25 @@ class SpeechStream:
         finally:
             self._pumping = False
 
+    def _resume_message(self) -> dict[str, Any]:
+        """The ``resume`` for a new connection, after the last seq taken.
+
+        It carries what a replica that no longer holds the stream needs to regenerate it: the
+        ``start`` request with its seed, and the last segment taken.
+        """
+        message: dict[str, Any] = {"type": "resume", "stream": self.token, "after_seq": self.last_seq}
+        if self.seed is None or self.incremental:
+            return message  # incremental text cannot be regenerated
+        message["request"] = self._start | {"seed": self.seed}
+        taken = [s for s in self.segments if s.seq <= self.last_seq and s.index is not None]
+        if taken:
+            message["segment"], message["segment_sample"] = taken[-1].index, taken[-1].sample
+        return message
+
     def _on_started(self, message: dict[str, Any]) -> None:
         self.token = str(message["stream"])
+        seed = message.get("seed")
+        self.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else self._start.get("seed")
         self.slot = int(message["slot"])
         self.format = str(message.get("format", self.format))
         self.sample_rate = int(message.get("sample_rate", self.sample_rate))
@@ -214,6 +235,8 @@ class SpeechStream:
 
     def _on_resumed(self, message: dict[str, Any]) -> None:
         self.slot = int(message["slot"])
+        # A replica that regenerated the stream gives it a token of its own.
+        self.token = str(message.get("stream", self.token))
         self.resumes += 1
         if self.phase in ("starting", "detached"):
             self.phase = "live"
@@ -230,11 +253,13 @@ class SpeechStream:
         self._text_sent = 0
 
     def _on_segment(self, message: dict[str, Any]) -> None:
-        key = (int(message["seq"]), int(message["sample"]))
+        index = message.get("index")
+        index = index if isinstance(index, int) and not isinstance(index, bool) else None
+        key = (int(message["seq"]), int(message["sample"]), index)
         if key in self._segment_keys or key[0] <= self.last_seq:
             return  # replayed after a resume: taken once
         self._segment_keys.add(key)
-        segment = Segment(str(message.get("text", "")), key[0], key[1])
+        segment = Segment(str(message.get("text", "")), key[0], key[1], index)
         self.segments.append(segment)
         self._pending_segments.setdefault(key[0], []).append(segment)
 

@@ -51,11 +51,13 @@ class Segment:
         text: the segment's text as sent (before number normalization).
         seq: the frame holding its first sample.
         sample: its first sample's offset from the stream start.
+        index: its place among the stream's segments, 0, 1, ... (None from servers before it).
     """
 
     text: str
     seq: int
     sample: int
+    index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from server.streams.outbox import Words
+from server.streams.items import Words
 
 
 def char_times(words: Words, sample_rate: int, origin: int) -> tuple[list[str], list[int]]:

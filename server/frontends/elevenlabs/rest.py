@@ -26,7 +26,7 @@ from server.frontends.codes import code_of
 from server.frontends.common import Seed, SendAborted, send_within
 from server.frontends.elevenlabs.alignment import rest_alignment
 from server.frontends.elevenlabs.formats import ElevenLabsError, OutputFormat, speed_of
-from server.streams.outbox import Failure, Frame, OutItem, Words
+from server.streams.items import Failure, Frame, OutItem, Words
 from server.streams.request import SpeechRequest
 from server.streams.stream import Lease, Stream
 

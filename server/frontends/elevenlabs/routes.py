@@ -96,10 +96,14 @@ class ElevenLabsApi:
             headers = {**headers, "X-API-Key": key}
         return self.gate.admit(request.path_qs, headers, request.remote or "?")
 
-    def _voice(self, request: web.Request) -> str:
+    def _voice(self, request: web.Request, client: str | None) -> str:
+        """The URL's voice, if ``client``'s tenant may speak it (None: a key sent later).
+
+        Each stream's opening checks the voice again for its tenant.
+        """
         voice_id = request.match_info["voice_id"]
         voice = voice_of(voice_id)
-        if not self.service.knows_voice(voice):
+        if not self.service.knows_voice(voice, None if client is None else tenant_of(client)):
             raise unknown_voice(voice_id)
         return voice
 
@@ -126,7 +130,7 @@ class ElevenLabsApi:
         try:
             client = self._admit(request)
             self.service.check_accepting()
-            voice, output = self._voice(request), self._output(request)
+            voice, output = self._voice(request, client), self._output(request)
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
@@ -183,7 +187,7 @@ class ElevenLabsApi:
             self.service.check_accepting()
             options = SocketOptions(
                 multi=multi,
-                voice=self._voice(request),
+                voice=self._voice(request, client),
                 output=self._output(request),
                 auto_mode=request.query.get("auto_mode", "false").lower() == "true",
                 seed=self._query_seed(request),

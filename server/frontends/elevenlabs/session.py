@@ -35,7 +35,7 @@ from server.frontends.access import tenant_of
 from server.frontends.codes import code_of
 from server.frontends.elevenlabs.alignment import ws_alignment
 from server.frontends.elevenlabs.formats import OutputFormat, speed_of
-from server.streams.outbox import Done, Failure, Frame, OutItem, Words
+from server.streams.items import Done, Failure, Frame, OutItem, Words
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream

@@ -57,7 +57,7 @@ from server.frontends.http.voices import VoicesApi
 from server.frontends.nesting import TooDeep, check_nesting
 from server.frontends.ports import GuardedProtocol, PortGuard
 from server.metrics import Metrics
-from server.streams.outbox import Failure, Frame
+from server.streams.items import Failure, Frame
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream

@@ -7,6 +7,8 @@ waiting on the model never delays another. Every send has a timeout: a
 client that stops reading is aborted rather than allowed to hold buffers.
 When the connection ends, its unfinished streams are detached, not
 cancelled: generation goes on and a new connection may ``resume`` them.
+A stream held by another replica is relayed from there by a forwarder task
+(``forward.py``), one upstream connection per stream.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from server.frontends.common import SendAborted, ServerInfo, abort_transport, send_within
-from server.frontends.websocket.session import (
+from server.frontends.websocket.actions import (
     Action,
     Attachment,
     Close,
-    ConnectionProtocol,
+    Forward,
+    Relay,
     Send,
     StartPump,
+    StopForward,
     StopPump,
 )
+from server.frontends.websocket.forward import Forwarder, is_forwarded, upstream_request
+from server.frontends.websocket.handoff import Remote
+from server.frontends.websocket.session import ConnectionProtocol
 from server.metrics import Metrics
 from server.streams.service import SpeechService
 
@@ -52,11 +59,18 @@ class Connection:
         self._metrics = metrics
         request = ws.request
         route = request.headers.get("X-Request-ID") if request is not None else None
+        forwarded = request is not None and is_forwarded(service.router, request.path, request.headers)
         self.protocol = ConnectionProtocol(
-            service, info, client=client, route=route, abort=self.abort, metrics=metrics
+            service, info, client=client, route=route, abort=self.abort, metrics=metrics, forwarded=forwarded
         )
         self._pumps: dict[Attachment, asyncio.Task[None]] = {}
+        self._forwards: dict[Remote, tuple[Forwarder, asyncio.Task[None]]] = {}
         self._aborted = False
+
+    @property
+    def forwarding(self) -> int:
+        """Streams relayed from their owner on this connection now (a drain waits for them)."""
+        return len(self._forwards)
 
     async def run(self) -> None:
         """Say hello, serve messages until the client leaves, then detach every stream."""
@@ -67,10 +81,10 @@ class Connection:
         except (ConnectionClosed, SendAborted):
             pass
         finally:
-            pumps = list(self._pumps.values())
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            tasks = [*self._pumps.values(), *(task for _, task in self._forwards.values())]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.protocol.connection_lost()
 
     def abort(self, reason: str) -> None:
@@ -112,6 +126,15 @@ class Connection:
                     await asyncio.gather(pump, return_exceptions=True)
             elif isinstance(action, Close):
                 await self.close(action.code, action.reason)
+            elif isinstance(action, Forward):
+                self._start_forward(action.remote)
+            elif isinstance(action, Relay):
+                await self._relay(action)
+            elif isinstance(action, StopForward):
+                entry = self._forwards.pop(action.remote, None)
+                if entry is not None:
+                    entry[1].cancel()
+                    await asyncio.gather(entry[1], return_exceptions=True)
 
     async def _pump(self, attachment: Attachment, index: int) -> None:
         """Send the stream's items as they come, until ``done`` or the stream moves away."""
@@ -129,6 +152,50 @@ class Connection:
             if self._pumps.get(attachment) is asyncio.current_task():
                 del self._pumps[attachment]
         await self._carry_out(self.protocol.pump_ended(attachment))
+
+    async def _relay(self, action: Relay) -> None:
+        """A client message for a remote stream goes to its owner, or here if the forward ended."""
+        entry = self._forwards.get(action.remote)
+        if entry is not None:
+            if await entry[0].relay(action.data):
+                return
+            await asyncio.gather(entry[1], return_exceptions=True)  # its end is settled first
+        if not self.protocol.relays(action.remote):
+            await self._carry_out(self.protocol.receive(action.data))  # served here now, or refused
+
+    def _start_forward(self, remote: Remote) -> None:
+        router = self._service.router
+        request = self.ws.request
+        assert router is not None and request is not None
+        peer = str(self.ws.remote_address[0]) if self.ws.remote_address else "?"
+        url, headers = upstream_request(
+            router, remote.owner, remote.token, request.path, request.headers, peer
+        )
+        forwarder = Forwarder(
+            remote,
+            url=url,
+            headers=headers,
+            timeout_s=self._service.settings.forward_timeout_s,
+            send_timeout_s=self._send_timeout_s,
+            send=self._send,
+            answered=self.protocol.forward_answered,
+        )
+        task = asyncio.create_task(self._forward(forwarder), name=f"forward-{remote.slot}")
+        self._forwards[remote] = (forwarder, task)
+        self._metrics.forwarded_streams.inc()
+
+    async def _forward(self, forwarder: Forwarder) -> None:
+        """Relay one remote stream until it ends, then let the protocol decide what follows."""
+        remote = forwarder.remote
+        try:
+            outcome = await forwarder.run()
+        except (ConnectionClosed, SendAborted):
+            return
+        finally:
+            self._metrics.forwarded_streams.dec()
+            if self._forwards.get(remote, (None, None))[1] is asyncio.current_task():
+                del self._forwards[remote]
+        await self._carry_out(self.protocol.forward_ended(remote, outcome))
 
     async def _send(self, data: str | bytes) -> None:
         if self._aborted:

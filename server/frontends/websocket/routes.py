@@ -37,6 +37,8 @@ class Probes:
     draining: Callable[[], bool]
     full: Callable[[], bool]
     metrics: Callable[[], bytes]
+    #: The handshake comes from another replica forwarding a resume (served while draining).
+    forwarded: Callable[[Request], bool] = lambda request: False
 
 
 class Routes:
@@ -50,7 +52,7 @@ class Routes:
         probes = self._probes
         path = urlsplit(request.path).path
         if path == STREAM_PATH:
-            if probes.draining():
+            if probes.draining() and not probes.forwarded(request):
                 return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
             if probes.full():
                 return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")

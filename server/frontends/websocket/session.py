@@ -7,20 +7,40 @@ incremental text and ``resume`` with its checks. It answers with
 stream's items start/stop flowing to this connection) and :class:`Close`;
 ``server.frontends.websocket.connection`` carries them out on a socket. Every message it sends is
 built in ``server.frontends.websocket.wire``. Tests drive it with plain strings, no sockets.
+
+A resume of a stream held elsewhere (signed tokens, ``server.streams.routing``) becomes a
+:class:`Forward` to its owner (relayed back by ``forward.py``), or, when the owner is gone and
+the client sent the stream's request, a regeneration here (``server.streams.failover``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final
+
+import msgspec
 
 from server.audio import opus_preskip
 from server.errors import ServiceError, UnknownStream
 from server.frontends.access import tenant_of
 from server.frontends.common import ServerInfo
 from server.frontends.websocket import wire
+from server.frontends.websocket.actions import (
+    DRAIN_CLOSE,
+    INVALID_CLOSE,
+    INVALID_CODES,
+    Action,
+    Attachment,
+    Close,
+    Forward,
+    Relay,
+    Send,
+    StartPump,
+    StopForward,
+    StopPump,
+)
+from server.frontends.websocket.handoff import Finished, Lost, Outcome, PassOn, Refused, Remote, Unreachable
 from server.frontends.websocket.wire import (
     Append,
     Cancel,
@@ -32,61 +52,13 @@ from server.frontends.websocket.wire import (
     Start,
 )
 from server.metrics import Metrics
+from server.streams.failover import ResumePoint
+from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark, Words
 from server.streams.limits import TokenBucket
-from server.streams.outbox import Done, Failure, Frame, OutItem, SegmentMark, Words
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Lease, Stream, redact
 
-
-@dataclass(eq=False)
-class Attachment:
-    """A stream sent on this connection under ``slot``, for as long as ``lease`` holds."""
-
-    stream: Stream
-    slot: int
-    lease: Lease
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send a text message."""
-
-    data: str
-
-
-@dataclass(frozen=True)
-class StartPump:
-    """Send ``attachment``'s items from outbox ``index`` on, as they come."""
-
-    attachment: Attachment
-    index: int
-
-
-@dataclass(frozen=True)
-class StopPump:
-    """Stop sending ``attachment``'s items (before what follows is sent)."""
-
-    attachment: Attachment
-
-
-@dataclass(frozen=True)
-class Close:
-    """Close the connection."""
-
-    code: int
-    reason: str
-
-
-Action = Send | StartPump | StopPump | Close
-DRAIN_CLOSE = Close(1012, "server is restarting")
-#: Past ``--invalid-messages-per-s`` a connection is closed with the policy code.
-INVALID_CLOSE = Close(1008, "too many invalid messages")
-#: Refusals that are the message's fault, counted against ``--invalid-messages-per-s``; the
-#: others (``overloaded``, ``resume_expired``, ``shutting_down``, ``internal``) are the server's.
-INVALID_CODES: Final = frozenset(
-    {"bad_request", "text_too_long", "unsupported", "duplicate_id", "too_many_streams", "unknown_stream"}
-    | {"rate_limited"}  # a client that ignores retry_after_ms
-)
+log = logging.getLogger(__name__)
 
 
 class ConnectionProtocol:
@@ -99,6 +71,9 @@ class ConnectionProtocol:
         route: the ingress's request id, put into new streams' tokens.
         abort: drops the connection at once (a stream's reader fell too far behind).
         metrics: counts the error messages sent, by code.
+        forwarded: another replica forwards its client's resume here (proven with the shared
+            key): this connection never forwards or regenerates, and closes once its stream is
+            done or moved.
     """
 
     def __init__(
@@ -111,6 +86,7 @@ class ConnectionProtocol:
         abort: Callable[[str], None],
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        forwarded: bool = False,
     ) -> None:
         self._service = service
         self._info = info
@@ -121,7 +97,9 @@ class ConnectionProtocol:
         self._abort = abort
         self._metrics = metrics
         self._clock = clock
+        self._forwarded = forwarded
         self._attached: dict[str, Attachment] = {}
+        self._remote: dict[str, Remote] = {}  # streams relayed from their owner, by token
         rate = service.settings.invalid_messages_per_s
         #: Invalid messages this connection may still send (refilled at ``rate`` per second).
         self._invalid = TokenBucket(rate, rate, rate, clock()) if rate > 0 else None
@@ -162,6 +140,9 @@ class ConnectionProtocol:
             return self._start(message)
         if isinstance(message, Resume):
             return self._resume(message)
+        remote = next((r for r in self._remote.values() if r.name == message.id), None)
+        if remote is not None:  # its owner takes it (cancel, text)
+            return [Relay(remote, msgspec.json.encode(message).decode())]
         stream = self._live(message.id)
         try:
             if isinstance(message, Cancel):
@@ -204,6 +185,7 @@ class ConnectionProtocol:
             stream.encoder.format,
             outbox.sample_rate,
             opus_preskip(stream.encoder),
+            stream.seed,
         )
         return [Send(started), StartPump(attachment, outbox.sent_index)]
 
@@ -211,6 +193,9 @@ class ConnectionProtocol:
         service = self._service
         try:
             stream = service.find(msg.stream, self._owner)
+        except UnknownStream:
+            return self._resume_elsewhere(msg)
+        try:
             # Check everything before touching the stream's current attachment.
             stream.outbox.check_resumable(msg.after_seq)
         except ServiceError as exc:
@@ -238,7 +223,116 @@ class ConnectionProtocol:
             opus_preskip(stream.encoder),
             None if stream.text is None else stream.text.received,
         )
+        self._metrics.resumes.labels(how="local").inc()
         return [*actions, Send(resumed), StartPump(attachment, index)]
+
+    # --- resumes of streams this replica does not hold (docs/operations.md section 5) ---------
+
+    def _resume_elsewhere(self, msg: Resume) -> list[Action]:
+        """Forward to the owner the token names, or regenerate here; refuse a token not ours."""
+        router = self._service.router
+        claims = None if router is None or self._forwarded else router.verify(msg.stream)
+        if router is None or claims is None:  # no signed tokens, forged, or already forwarded once
+            self._metrics.resumes.labels(how="unknown").inc()
+            raise ProtocolError("unknown_stream", "no stream with this token is held here", token=msg.stream)
+        actions: list[Action] = []
+        if (mine := self._remote.pop(msg.stream, None)) is not None:
+            actions.append(StopForward(mine))  # resumed again on the same connection
+        name = msg.request.id if msg.request is not None else None
+        self._check_room(name or "", token=msg.stream)
+        owner = router.forward_target(claims)
+        if owner is not None:
+            remote = Remote(msg, claims, self._free_slot(), owner)
+            self._remote[msg.stream] = remote
+            return [*actions, Forward(remote)]
+        if not router.is_mine(claims):  # signed, but outside --forward-allow: never connect
+            log.warning("resume token names %s, outside --forward-allow: refused", claims.owner)
+            self._metrics.resumes.labels(how="unknown").inc()
+            raise ProtocolError("unknown_stream", "no stream with this token is held here", token=msg.stream)
+        point = ResumePoint(msg.after_seq, msg.segment, msg.segment_sample)
+        return [*actions, *self._regenerate(msg, point, self._free_slot(), fresh=True)]
+
+    def _regenerate(self, msg: Resume, point: ResumePoint, slot: int, *, fresh: bool) -> list[Action]:
+        """Start the lost stream again here, from ``point`` on (``fresh``: answer ``resumed``)."""
+        service, router = self._service, self._service.router
+        claims = None if router is None else router.verify(msg.stream)
+        if msg.request is None or claims is None:
+            self._metrics.resumes.labels(how="unknown").inc()
+            raise ProtocolError("unknown_stream", "the stream is gone", token=msg.stream)
+        lease = Lease(self._abort)
+        try:
+            service.admit(self._client)
+            request = wire.speech_request(msg.request)
+            stream, degraded = service.regenerate(
+                claims,
+                request,
+                point,
+                lease,
+                token=None if fresh else msg.stream,
+                client=self._client,
+                owner=self._owner,
+            )
+        except ServiceError as exc:
+            self._metrics.resumes.labels(how="unknown").inc()
+            raise wire.wire_error(exc, name=msg.request.id, token=msg.stream) from None
+        attachment = self._attach(stream, lease, slot)
+        actions: list[Action] = []
+        if degraded is not None:
+            actions.append(Send(wire.resume_degraded(stream.name, msg.stream, degraded)))
+        if fresh:
+            outbox = stream.outbox
+            resumed = wire.resumed(
+                stream.name,
+                slot,
+                stream.token,
+                point.after_seq,
+                stream.encoder.format,
+                outbox.sample_rate,
+                opus_preskip(stream.encoder),
+            )
+            actions.append(Send(resumed))
+        self._metrics.resumes.labels(how="regenerated" if degraded is None else "degraded").inc()
+        return [*actions, StartPump(attachment, stream.outbox.sent_index)]
+
+    def relays(self, remote: Remote) -> bool:
+        """Whether ``remote`` is still relayed from its owner on this connection."""
+        return self._remote.get(remote.token) is remote
+
+    def forward_answered(self, remote: Remote, name: str) -> bool:
+        """The owner resumed ``remote`` (as stream ``name``); False: drop it (its id is live here)."""
+        if self._remote.get(remote.token) is not remote:
+            return False
+        if remote.name is None and name in self.attached:
+            del self._remote[remote.token]
+            return False
+        remote.name = name
+        self._metrics.resumes.labels(how="forwarded").inc()
+        return True
+
+    def forward_ended(self, remote: Remote, outcome: Outcome) -> list[Action]:
+        """How relaying ``remote`` ended: regenerate it here, pass the refusal on, or let it go."""
+        if self._remote.get(remote.token) is not remote:
+            return []  # stopped by a newer resume, or the connection is closing
+        del self._remote[remote.token]
+        msg, token = remote.resume, remote.token
+        if isinstance(outcome, Finished):
+            return self.close_if_idle()
+        if isinstance(outcome, PassOn):
+            return [Send(outcome.data), *self.close_if_idle()]
+        if isinstance(outcome, (Refused, Unreachable)):
+            log.info("stream %s: owner %s: %s", redact(token), remote.owner, outcome)
+            try:
+                return self._regenerate(msg, remote.progress.point(), remote.slot, fresh=True)
+            except ProtocolError as err:
+                self._metrics.errors.labels(code=err.code).inc()
+                return [Send(wire.error(err)), *self.close_if_idle()]
+        assert isinstance(outcome, Lost)
+        log.warning("stream %s: its owner %s was lost: %s", redact(token), remote.owner, outcome.reason)
+        try:
+            return self._regenerate(msg, remote.progress.point(), remote.slot, fresh=False)
+        except ProtocolError:
+            # The client cannot know; a new connection makes it resume (and restart) the stream.
+            return [Close(1012, "the replica that held a stream is gone")]
 
     def _live(self, name: str) -> Stream:
         attachment = self.attached.get(name)
@@ -246,18 +340,24 @@ class ConnectionProtocol:
             raise ProtocolError("bad_request", f"no live stream with id {name!r}", name=name)
         return attachment.stream
 
-    def _check_room(self, name: str) -> None:
+    def _check_room(self, name: str, token: str | None = None) -> None:
         attached = self.attached
-        if name in attached:
-            raise ProtocolError("duplicate_id", f"stream id {name!r} is already live", name=name)
-        if len(attached) >= self._info.max_streams:
+        if name in attached or any(r.name == name for r in self._remote.values() if name):
+            raise ProtocolError("duplicate_id", f"stream id {name!r} is already live", name=name, token=token)
+        if len(attached) + len(self._remote) >= self._info.max_streams:
             raise ProtocolError(
-                "too_many_streams", f"at most {self._info.max_streams} streams per connection", name=name
+                "too_many_streams",
+                f"at most {self._info.max_streams} streams per connection",
+                name=name or None,
+                token=token,
             )
 
-    def _attach(self, stream: Stream, lease: Lease) -> Attachment:
-        used = {a.slot for a in self._attached.values()}
-        slot = next(n for n in range(len(used) + 1) if n not in used)
+    def _free_slot(self) -> int:
+        used = {a.slot for a in self._attached.values()} | {r.slot for r in self._remote.values()}
+        return next(n for n in range(len(used) + 1) if n not in used)
+
+    def _attach(self, stream: Stream, lease: Lease, slot: int | None = None) -> Attachment:
+        slot = self._free_slot() if slot is None else slot
         attachment = Attachment(stream, slot, lease)
         self._attached[stream.name] = attachment
         return attachment
@@ -284,11 +384,14 @@ class ConnectionProtocol:
         """``attachment``'s items stopped flowing (``done`` went out, or the stream moved)."""
         if self._attached.get(attachment.stream.name) is attachment:
             del self._attached[attachment.stream.name]
+        if self._forwarded and not self.attached:  # the forwarding replica learns it is over
+            return [Close(1000, "the forwarded stream is done or moved")]
         return self.close_if_idle()
 
     def close_if_idle(self) -> list[Action]:
         """During a drain, a connection with no streams left is closed with 1012."""
-        return [DRAIN_CLOSE] if self._service.draining and not self.attached else []
+        idle = not self.attached and not self._remote
+        return [DRAIN_CLOSE] if self._service.draining and idle else []
 
     def connection_lost(self) -> None:
         """The connection is gone: its streams wait for a resume (or are freed, TTL 0)."""

@@ -21,7 +21,7 @@ from server import errors
 from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
 from server.frontends.nesting import TooDeep, check_nesting
-from server.streams.outbox import Done, Frame, SegmentMark, Words
+from server.streams.items import Done, Frame, SegmentMark, Words
 from server.streams.request import SpeechRequest
 
 PROTOCOL_VERSION: Final = 1
@@ -123,10 +123,17 @@ class End(_Message, tag="end", frozen=True):
 
 
 class Resume(_Message, tag="resume", frozen=True):
-    """Re-attach a stream after a reconnect."""
+    """Re-attach a stream after a reconnect.
+
+    ``request`` (the stream's ``start``, with its seed), ``segment`` and ``segment_sample``
+    (the last ``segment`` message taken) let a replica regenerate a stream that is gone.
+    """
 
     stream: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     after_seq: Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1)] = -1
+    request: Start | None = None
+    segment: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] | None = None
+    segment_sample: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] | None = None
 
 
 ClientMessage = Start | Cancel | Append | Flush | End | Resume
@@ -229,8 +236,13 @@ def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
     return encode(message)
 
 
-def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int) -> str:
-    """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first)."""
+def started(
+    name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int, seed: int | None = None
+) -> str:
+    """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first).
+
+    ``seed``: the stream's seed (the client's, or the one the server picked).
+    """
     message: dict[str, Any] = {
         "type": "started",
         "id": name,
@@ -242,7 +254,14 @@ def started(name: str, slot: int, token: str, fmt: str, sample_rate: int, preski
     }
     if preskip:
         message["preskip"] = preskip
+    if seed is not None:
+        message["seed"] = seed
     return encode(message)
+
+
+def resume_degraded(name: str, token: str, reason: str) -> str:
+    """Sent before the audio of a regenerated stream that may differ from the lost one's."""
+    return encode({"type": "resume_degraded", "id": name, "stream": token, "reason": reason})
 
 
 def resumed(
@@ -286,6 +305,7 @@ def segment(name: str, slot: int, mark: SegmentMark) -> str:
             "seq": mark.position,
             "sample": mark.sample,
             "text": mark.text,
+            "index": mark.index,
         }
     )
 

@@ -40,7 +40,7 @@ from server.errors import InvalidRequest, ServiceError, Unsupported
 from server.frontends.codes import code_of
 from server.frontends.common import OPENAI_VOICES
 from server.streams.incremental import TextFeed
-from server.streams.outbox import Done, Failure, Frame, OutItem
+from server.streams.items import Done, Failure, Frame, OutItem
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream

@@ -58,5 +58,5 @@ parser refuses. Whole numbers are printed as integers.
 
 {{/* Flags the chart sets from other values: `config` must not set them again. */}}
 {{- define "chattts.derivedFlags" -}}
-{{- list "host" "port" "http-port" "wyoming-port" "wyoming-allow-unauthenticated" "device" "cache-dir" "model-dir" "drain-timeout-s" "api-keys" "api-keys-file" "resume-secret-file" | toJson -}}
+{{- list "host" "port" "http-port" "wyoming-port" "wyoming-allow-unauthenticated" "device" "cache-dir" "model-dir" "drain-timeout-s" "api-keys" "api-keys-file" "resume-secret-file" "advertise-url" | toJson -}}
 {{- end -}}
