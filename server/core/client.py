@@ -24,7 +24,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import assert_never
 
 from server.core.admission import refusal
@@ -47,114 +46,16 @@ from server.core.events import (
     Ready,
     SegmentStarted,
     Stopped,
-    StreamEvent,
     VoiceEncoded,
 )
+from server.core.generation import GenerateRequest, Generation
 from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig
-from server.engine_api import AudioArray, Codes, Engine, EngineInfo, SynthesisParams
+from server.engine_api import AudioArray, Codes, Engine, EngineInfo
 from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
 from server.metrics import Metrics
 
 #: ``healthy`` turns False when the inference thread has not been heard of for this long.
 HEARTBEAT_STALE_S = 120.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class GenerateRequest:
-    """One stream to synthesize.
-
-    Attributes:
-        segments: the text, already split into segments (sentences).
-        params: voice and sampling parameters.
-        incremental: more segments will come through ``append`` until ``end_input``.
-        client: who asks (its rate-limit identity): admission and the queue are fair by client.
-        on_queued: told the change in bytes of audio received but not yet read from the
-            generation (a memory budget counts it).
-        first_segment: the stream's index of ``segments[0]``: a stream regenerated from its
-            k-th segment on (a resume on another replica) draws each segment's random numbers
-            as the whole stream did (seed offset ``first_segment + i``).
-    """
-
-    segments: tuple[str, ...]
-    params: SynthesisParams
-    incremental: bool = False
-    client: str = ""
-    on_queued: Callable[[int], None] | None = None
-    first_segment: int = 0
-
-
-#: What one queued ``Audio`` event costs besides its samples (the event and array objects).
-EVENT_OVERHEAD_BYTES = 200
-
-
-class Generation:
-    """One stream's events, in order: iterate it with ``async for``; it ends after ``Ended``."""
-
-    __slots__ = ("_client", "_ended", "_events", "_on_queued", "_waiter", "queued_bytes", "stream_id")
-
-    def __init__(
-        self, client: EngineClient, stream_id: int, on_queued: Callable[[int], None] | None = None
-    ) -> None:
-        self._client = client
-        self.stream_id = stream_id
-        self._events: deque[StreamEvent] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._ended = False
-        self._on_queued = on_queued
-        #: Bytes of the audio events received and not yet read.
-        self.queued_bytes = 0
-
-    def append(self, text: str) -> None:
-        """One more segment (incremental streams)."""
-        self._client.append(self.stream_id, text)
-
-    def end_input(self) -> None:
-        """No more segments: the stream ends after those it has."""
-        self._client.end_input(self.stream_id)
-
-    def abort(self) -> None:
-        """Stop generating; ``Ended`` with reason ``cancelled`` follows unless it ended already."""
-        self._client.abort(self.stream_id)
-
-    def discard(self) -> None:
-        """Nobody will read on: stop generating and drop the events not read yet."""
-        self.abort()
-        self._events.clear()
-        self._ended = True
-        self._count(-self.queued_bytes)
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        events = self._events
-        while not events:
-            if self._ended:
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        event = events.popleft()
-        if isinstance(event, Audio):
-            self._count(-(event.samples.nbytes + EVENT_OVERHEAD_BYTES))
-        return event
-
-    def _count(self, delta: int) -> None:
-        if delta:
-            self.queued_bytes += delta
-            if self._on_queued is not None:
-                self._on_queued(delta)
-
-    def _push(self, event: StreamEvent) -> None:
-        self._events.append(event)
-        if isinstance(event, Audio):
-            self._count(event.samples.nbytes + EVENT_OVERHEAD_BYTES)
-        if isinstance(event, Ended):
-            self._ended = True
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 class EngineClient:

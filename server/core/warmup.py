@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 
-from server.core.client import EngineClient, GenerateRequest, Generation
+from server.core.client import EngineClient
+from server.core.generation import GenerateRequest, Generation
 from server.engine_api import SynthesisParams
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from server.core.client import Generation
+from server.core.generation import Generation
 from server.errors import InvalidRequest, TextTooLong
 from server.text import tags
 from server.text.segments import TextBuffer

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from server.audio.base import FrameEncoder
 from server.config import Settings
-from server.core.client import EngineClient, GenerateRequest, Generation
+from server.core.client import EngineClient
+from server.core.generation import GenerateRequest, Generation
 from server.errors import Draining, RateLimited, UnknownStream
 from server.metrics import Metrics
 from server.streams.budget import MemoryBudget
@@ -301,8 +302,7 @@ class SpeechService:
         Returns the new stream, whose items after ``point.after_seq`` equal the lost ones'
         (its index to send from is ``stream.outbox.sent_index``), and why they may differ
         (None: exact). It gets a token of its own, owned here, unless ``token`` is given.
-        ``client`` and ``owner`` as for :meth:`open`; only the tenant the token names
-        (``owner``) may regenerate it.
+        ``client``, ``owner`` as for :meth:`open`; only the token's tenant may regenerate it.
 
         Raises:
             UnknownStream: it cannot be regenerated (no seed, incremental, not the token's request).

@@ -31,8 +31,8 @@ from concurrent.futures import Executor
 
 from server.audio import CPU_HEAVY_FORMATS
 from server.audio.base import FrameEncoder
-from server.core.client import Generation
 from server.core.events import Audio, Ended, SegmentStarted
+from server.core.generation import Generation
 from server.errors import EngineFailed
 from server.metrics import Metrics
 from server.streams.incremental import TextFeed

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.core.client import EngineClient, GenerateRequest, Generation
+from server.core.client import EngineClient
 from server.core.events import Ended, SegmentStarted, StreamEvent
+from server.core.generation import GenerateRequest, Generation
 from server.core.policy import PolicyConfig
 from server.engine.fake import FAIL_MARKER, FakeEngine
 from server.engine_api import SynthesisParams

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from server.audio import make_encoder
+from server.audio.base import EncodedFrame
 from server.engine_api import EngineInfo
 from server.errors import InvalidRequest, UnknownStream
 from server.frontends.websocket.handoff import Progress, reslot_frame, reslot_message
@@ -88,6 +89,15 @@ def test_a_request_that_is_not_the_tokens_is_refused() -> None:
         plan(other, claims_for(REQUEST), ResumePoint(3), segments=1, fingerprint=PRINT, engine=FAKE)
 
 
+def test_only_the_streams_tenant_can_regenerate_it() -> None:
+    claims = Claims("ws://10.0.0.1:8080", PRINT, request_digest(REQUEST, "tenant-a"))
+    point, kwargs = ResumePoint(3), {"segments": 3, "fingerprint": PRINT, "engine": FAKE}
+    assert plan(REQUEST, claims, point, owner="tenant-a", **kwargs).first_segment == 0  # type: ignore[arg-type]
+    for other in ("tenant-b", None):
+        with pytest.raises(UnknownStream, match="not the stream's"):
+            plan(REQUEST, claims, point, owner=other, **kwargs)  # type: ignore[arg-type]
+
+
 def test_what_cannot_be_exact_is_degraded() -> None:
     assert "differ" in (plan(REQUEST, claims_for(REQUEST, b"Q" * 8), ResumePoint(3), segments=3,
                              fingerprint=PRINT, engine=FAKE).degraded or "")  # fmt: skip
@@ -149,8 +159,8 @@ def test_a_regenerated_outbox_keeps_done_and_refuses_resumes_before_its_start() 
     outbox = new_outbox()
     outbox.start_at(seq=0, sample=0, native=0, skip_through=5)
     outbox.on_segment("a")
-    outbox.on_frames([], 0)
-    outbox.finish("complete", [])
+    outbox.on_frames([EncodedFrame(b"\x00\x00" * 480, 480)] * 7, 7 * 480)  # seq 0..6
+    outbox.finish("complete", [])  # seq 7, the last
     items = outbox.ready(outbox.start_index)
     assert isinstance(items[-1], Done) and not any(isinstance(i, SegmentMark) for i in items)
     assert outbox.snapshot() is None  # never cached

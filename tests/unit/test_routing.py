@@ -87,10 +87,13 @@ def test_the_request_digest_covers_every_field_that_changes_the_audio() -> None:
         "name": "t", "text": "Other.", "voice": "alto", "speed": 1.5, "format": "pcm16",
         "sample_rate": 16000, "seed": 8, "temperature": 0.5, "top_p": 0.5, "top_k": 5,
         "incremental": True, "max_buffer_delay_ms": 100.0, "refine": True, "refine_prompt": "[oral_2]",
+        "word_timestamps": True,  # not the audio, but the stream's messages
     }  # fmt: skip
     assert set(changes) == {f.name for f in dataclasses.fields(SpeechRequest)}
     for name, value in changes.items():
         assert routing.request_digest(dataclasses.replace(REQUEST, **{name: value})) != digest, name
+    # The tenant is part of it: another tenant's resend of the same request does not match.
+    assert routing.request_digest(REQUEST, "tenant-a") not in {digest, routing.request_digest(REQUEST, "b")}
 
 
 @pytest.mark.parametrize(
