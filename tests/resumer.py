@@ -101,9 +101,10 @@ async def take(
             raise AssertionError(msg)
 
 
-async def open_ws(port: int, token: str | None = None) -> ClientConnection:
-    """A connection past its ``hello`` (with ``?resume=`` when reconnecting)."""
-    query = f"?resume={token}" if token else ""
+async def open_ws(port: int, token: str | None = None, api_key: str | None = None) -> ClientConnection:
+    """A connection past its ``hello`` (with ``?resume=`` when reconnecting, ``?api_key=`` when given)."""
+    params = [f"resume={token}"] * bool(token) + [f"api_key={api_key}"] * bool(api_key)
+    query = "?" + "&".join(params) if params else ""
     ws = await connect(url(port) + query, compression=None, max_size=None)
     hello = json.loads(await recv(ws))
     assert hello["type"] == "hello"

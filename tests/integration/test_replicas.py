@@ -29,18 +29,20 @@ def router_of(app: App) -> Router:
     return router
 
 
-async def start_and_cut(port: int, start: dict[str, Any], cut_after: int) -> Taken:
+async def start_and_cut(
+    port: int, start: dict[str, Any], cut_after: int, api_key: str | None = None
+) -> Taken:
     """Start a stream on ``port`` and lose the connection after ``cut_after`` frames."""
     taken = Taken(start)
-    ws = await open_ws(port)
+    ws = await open_ws(port, api_key=api_key)
     await ws.send(json.dumps({"type": "start", **start}))
     assert await take(ws, taken, cut_after) == "cut"
     return taken
 
 
-async def resume_on(port: int, taken: Taken, **options: Any) -> str:
+async def resume_on(port: int, taken: Taken, api_key: str | None = None, **options: Any) -> str:
     """Reconnect to ``port``, resume, and take the rest of the stream."""
-    ws = await open_ws(port, taken.token)
+    ws = await open_ws(port, taken.token, api_key=api_key)
     await ws.send(json.dumps(taken.resume(**options)))
     outcome = await take(ws, taken)
     await ws.close()
@@ -146,6 +148,42 @@ async def test_a_regeneration_that_cannot_be_exact_says_so(make_app: MakeApp) ->
     kinds = [m["type"] for m in taken.messages]
     assert kinds.index("resume_degraded") < kinds.index("resumed")
     assert b.metrics.resumes.labels(how="degraded")._value.get() == 1
+
+
+async def test_only_the_streams_tenant_can_resume_it_on_another_replica(
+    make_app: MakeApp, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("[alpha]\nkey-alpha\n[beta]\nkey-beta\n")
+    flags = (*REPLICA, "--api-keys-file", str(keys))
+    a, b = await make_app(*flags), await make_app(*flags)
+    start = {"id": "s", "text": TEXT, "seed": 4}
+    expected = await unbroken_with_key(b.port, start, "key-alpha")
+    taken = await start_and_cut(a.port, start, cut_after=4, api_key="key-alpha")
+
+    async def refused_for_beta() -> dict[str, Any]:
+        ws = await open_ws(b.port, taken.token, api_key="key-beta")
+        await ws.send(json.dumps(taken.resume()))
+        error = await recv_json(ws)
+        await ws.close()
+        assert error["type"] == "error" and error["code"] == "unknown_stream", error
+        return error
+
+    await refused_for_beta()  # forwarded to the owner, which checks the tenant as on one replica
+    await a.stop()
+    assert "not the stream's" in (await refused_for_beta())["message"]  # gone: no regeneration either
+    assert await resume_on(b.port, taken, api_key="key-alpha") == "done"
+    assert taken.signature() == expected.signature()
+
+
+async def unbroken_with_key(port: int, start: dict[str, Any], api_key: str) -> Taken:
+    """One stream, start to done, on one connection with ``api_key``."""
+    taken = Taken(start)
+    ws = await open_ws(port, api_key=api_key)
+    await ws.send(json.dumps({"type": "start", **start}))
+    assert await take(ws, taken) == "done"
+    await ws.close()
+    return taken
 
 
 async def test_refinement_makes_a_regeneration_degraded(make_app: MakeApp) -> None:
