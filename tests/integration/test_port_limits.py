@@ -262,8 +262,9 @@ async def test_a_streaming_synthesis_without_its_stop_is_cut_at_the_text_deadlin
         error = Error.from_event(events[-1])
         assert error.code == "timeout" and "--wyoming-text-timeout-s" in error.text
         assert any(AudioChunk.is_type(e.type) for e in events)  # it was speaking meanwhile
-        # Closed: chunks the server never read make its close a reset (the error came first).
-        with suppress(ConnectionResetError):
+        # Closed: chunks the server never read make its close a reset (the error came first);
+        # a write of ours still in flight meets it as a broken pipe instead, on a loaded machine.
+        with suppress(ConnectionResetError, BrokenPipeError):
             assert await read(c) is None
     finally:
         with suppress(ConnectionError):
