@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -117,20 +118,61 @@ def engine_child(args: argparse.Namespace) -> None:
     engine = ChatTTSEngine.load(model_dir=args.model_dir, device="cpu")
     engine.warmup()
     texts = load_texts(args.texts, sizes=tuple(s for s in args.text_sizes.split(",") if s))
+    steps = {"tokens": 0.0, "step_s": 0.0}
+    step = engine.step
+
+    def counted(seq_ids: list[int]) -> Any:  # what the server's /metrics counts, counted here
+        began = time.perf_counter()
+        results = step(seq_ids)
+        steps["step_s"] += time.perf_counter() - began
+        steps["tokens"] += sum(r.tokens for r in results)
+        return results
+
+    engine.step = counted  # type: ignore[method-assign]
     loop = ClosedLoop(engine, texts, max_tokens=inproc.cap_tokens(0.0), segment_max_chars=120)
     print(json.dumps({"ready": True, "dtype": engine.info.extra.get("dtype")}), flush=True)
     for line in sys.stdin:
         command_ = json.loads(line)
         cpu0 = inproc.cpu_now()
+        steps.update(tokens=0.0, step_s=0.0)
         run = loop.run(command_["n"], command_["seconds"], base_seed=command_["seed"], cut=True)
-        print(json.dumps(inproc.scenario_result(command_["n"], run, inproc.cpu_now() - cpu0)), flush=True)
+        result = inproc.scenario_result(command_["n"], run, inproc.cpu_now() - cpu0)
+        result["engine"] = {**steps, "wall_s": run.t_end - run.t_start}
+        print(json.dumps(result), flush=True)
     engine.close()
 
 
-def _summary(records: list[Any], run: LoadRun, cpu_s: float | None) -> dict[str, Any]:
+def _thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each of a process's threads (Linux ``/proc``), by thread id."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _engine_counters(port: int) -> dict[str, float]:
+    """The server's token counter and block time (its engine's work) from ``/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    names = {"chattts_tokens_generated_total": "tokens", "chattts_block_seconds_sum": "step_s"}
+    return {names[k]: float(v) for k, _, v in (line.partition(" ") for line in lines) if k in names}
+
+
+def _summary(
+    records: list[Any], run: LoadRun, cpu_s: float | None, engine: dict[str, float] | None = None
+) -> dict[str, Any]:
     metrics = [stream_metrics(r, [300.0]) for r in records]
     s = summarize(records, metrics, t_start=run.t_start, t_stop=run.t_stop, t_end=run.t_end, cpu_s=cpu_s)
+    work = engine or {}
     return {
+        # The engine's own pace (tokens per second of stepping) and how much of the scenario it stepped.
+        "tokens_per_step_s": work["tokens"] / work["step_s"] if work.get("step_s") else None,
+        "stepping": work["step_s"] / work["wall_s"] if work.get("wall_s") else None,
+        "loop_cores": work.get("loop_cores"),  # the server's main (event-loop) thread, cores used
         "audio_s_per_wall_s": s["throughput"]["steady_audio_s_per_wall_s"],
         "audio_s_per_cpu_s": s["throughput"].get("audio_s_per_cpu_s"),
         "ttfa_p50": s["ttfa_s"]["p50"],
@@ -146,10 +188,18 @@ async def run_server(
     texts = load_texts(args.texts, sizes=tuple(s for s in args.text_sizes.split(",") if s))
     spec = LoadSpec("closed", concurrency=concurrency, duration_s=args.seconds, grace_s=1.0, seed_base=base)
     options = StreamOptions(fmt=fmt, system="server")
-    cpu0 = server.cpu_s()
+    assert server.proc is not None
+    pid = server.proc.pid
+    cpu0, threads0 = server.cpu_s(), _thread_cpu_s(pid)
+    work0 = await asyncio.to_thread(_engine_counters, server.port)
     run = await run_load(texts, spec, lambda job, stop: run_stream(server.url, job, options, stop))
-    cpu1 = server.cpu_s()
-    return _summary(run.records, run, cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None)
+    cpu1, threads1 = server.cpu_s(), _thread_cpu_s(pid)
+    work1 = await asyncio.to_thread(_engine_counters, server.port)
+    wall = run.t_end - run.t_start
+    engine = {k: work1[k] - work0.get(k, 0.0) for k in work1}
+    engine |= {"wall_s": wall, "loop_cores": (threads1.get(pid, 0.0) - threads0.get(pid, 0.0)) / wall}
+    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    return _summary(run.records, run, cpu, engine)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -175,8 +225,9 @@ def render(report: dict[str, Any]) -> str:
         "plays in real time when it is above 1.",
         "",
         f"| load | system | audio-s per wall-s (median) | per stream | × {reference} (median of rounds, "
-        "range) | audio-s per CPU-s | time to first audio p50 (s) | RTF p50 | streams (errors) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "range) | audio-s per CPU-s | time to first audio p50 (s) | RTF p50 | engine tokens per step-s "
+        "| stepping (share of the scenario) | event-loop thread (cores) | streams (errors) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in report["concurrency"]:
         lines += [_row(rounds, f"c{n}", n, name, reference) for name in report["systems"]]
@@ -192,17 +243,15 @@ def _row(rounds: list[dict[str, Any]], label: str, n: int, name: str, reference:
         if name in res and reference in res and res[reference]["audio_s_per_wall_s"]
     ]
     ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else "—"
-    cells = [
-        _median([x[k] for x in runs])
-        for k in ("audio_s_per_wall_s", "audio_s_per_cpu_s", "ttfa_p50", "rtf_p50")
-    ]
-    text = ["—" if c is None else f"{c:.2f}" for c in cells]
+    keys = ("audio_s_per_wall_s", "audio_s_per_cpu_s", "ttfa_p50", "rtf_p50", "tokens_per_step_s", "stepping")
+    cells = [_median([x.get(k) for x in runs]) for k in (*keys, "loop_cores")]
+    text = ["—" if c is None else f"{c:.3f}" if i == 6 else f"{c:.2f}" for i, c in enumerate(cells)]
     per_stream = "—" if cells[0] is None else f"{cells[0] / n:.2f}"
     errors = sum(sum(x["errors"].values()) for x in runs)
     streams = sum(x["streams"] for x in runs)
     return (
         f"| {label} | {name} | {text[0]} | {per_stream} | {ratio} | {text[1]} | {text[2]} | {text[3]} "
-        f"| {streams} ({errors}) |"
+        f"| {text[4]} | {text[5]} | {text[6]} | {streams} ({errors}) |"
     )
 
 
@@ -249,7 +298,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         sc = await children[name].scenario(n, args.seconds, base)
                         records = [inproc.record_from_dict(r) for r in sc["records"]]
                         run = LoadRun(records, sc["t_start"], sc["t_stop"], sc["t_end"])
-                        here[name] = _summary(records, run, sc["cpu_s"])
+                        here[name] = _summary(records, run, sc["cpu_s"], sc.get("engine"))
                     print(f"placement: round {index} c{n} {name}: {here[name]}", file=sys.stderr)
             report["rounds"].append(
                 {"order": order, "loadavg": os.getloadavg(), "results": results, "t": time.time()}
