@@ -176,6 +176,18 @@ async def test_only_the_streams_tenant_can_resume_it_on_another_replica(
     assert taken.signature() == expected.signature()
 
 
+async def test_a_regeneration_costs_the_resuming_client_one_stream_token(make_app: MakeApp) -> None:
+    a = await make_app(*REPLICA)
+    b = await make_app(*REPLICA, "--rate-limit-per-min", "1", "--rate-limit-burst", "2")
+    taken = await start_and_cut(a.port, {"id": "s", "text": TEXT, "seed": 4}, cut_after=4)
+    await a.stop()
+    assert await resume_on(b.port, taken) == "done"  # regenerated on b: one of its two tokens
+    ws = await open_ws(b.port)
+    await ws.send(json.dumps({"type": "start", "id": "next", "text": "One more.", "seed": 1}))
+    assert (await recv_json(ws))["type"] == "started"  # the second token was left
+    await ws.close()
+
+
 async def unbroken_with_key(port: int, start: dict[str, Any], api_key: str) -> Taken:
     """One stream, start to done, on one connection with ``api_key``."""
     taken = Taken(start)

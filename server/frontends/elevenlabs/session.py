@@ -196,7 +196,6 @@ class ElevenLabsSession:
         if len(self.contexts) >= self._options.max_contexts:
             raise InvalidRequest(f"at most {self._options.max_contexts} context(s) per connection")
         assert self._client is not None
-        self._service.admit(self._client)
         options = self._options
         request = SpeechRequest(
             name=context_id or "elevenlabs",

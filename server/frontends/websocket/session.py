@@ -261,7 +261,7 @@ class ConnectionProtocol:
             raise ProtocolError("unknown_stream", "the stream is gone", token=msg.stream)
         lease = Lease(self._abort)
         try:
-            service.admit(self._client)
+            # regenerate checks the drain and the rate limit (one token, once the stream exists).
             request = wire.speech_request(msg.request)
             stream, degraded = service.regenerate(
                 claims,
