@@ -111,10 +111,10 @@ async def open_ws(port: int, token: str | None = None, api_key: str | None = Non
     return ws
 
 
-async def unbroken(port: int, start: dict[str, Any]) -> Taken:
-    """One stream, start to done, on one connection."""
+async def unbroken(port: int, start: dict[str, Any], api_key: str | None = None) -> Taken:
+    """One stream, start to done, on one connection (with ``api_key`` when given)."""
     taken = Taken(start)
-    ws = await open_ws(port)
+    ws = await open_ws(port, api_key=api_key)
     await ws.send(json.dumps({"type": "start", **start}))
     assert await take(ws, taken) == "done"
     await ws.close()

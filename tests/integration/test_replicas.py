@@ -158,7 +158,7 @@ async def test_only_the_streams_tenant_can_resume_it_on_another_replica(
     flags = (*REPLICA, "--api-keys-file", str(keys))
     a, b = await make_app(*flags), await make_app(*flags)
     start = {"id": "s", "text": TEXT, "seed": 4}
-    expected = await unbroken_with_key(b.port, start, "key-alpha")
+    expected = await unbroken(b.port, start, api_key="key-alpha")
     taken = await start_and_cut(a.port, start, cut_after=4, api_key="key-alpha")
 
     async def refused_for_beta() -> dict[str, Any]:
@@ -186,16 +186,6 @@ async def test_a_regeneration_costs_the_resuming_client_one_stream_token(make_ap
     await ws.send(json.dumps({"type": "start", "id": "next", "text": "One more.", "seed": 1}))
     assert (await recv_json(ws))["type"] == "started"  # the second token was left
     await ws.close()
-
-
-async def unbroken_with_key(port: int, start: dict[str, Any], api_key: str) -> Taken:
-    """One stream, start to done, on one connection with ``api_key``."""
-    taken = Taken(start)
-    ws = await open_ws(port, api_key=api_key)
-    await ws.send(json.dumps({"type": "start", **start}))
-    assert await take(ws, taken) == "done"
-    await ws.close()
-    return taken
 
 
 async def test_refinement_makes_a_regeneration_degraded(make_app: MakeApp) -> None:
