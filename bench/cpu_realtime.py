@@ -13,12 +13,13 @@
    ``--quantize int8``, at batch 1, 4 and 8, interleaved rounds, each split by part and
    profiled op by op;
 2. **servers**: ``serve`` from ``--before`` (the code before the change, default flags),
-   from this tree (default flags) and from this tree with ``--quantize int8``, each
+   from this tree (default flags), with ``--quantize int8``, with ``--compile-step on``
+   and with both, each
    measured by the harness of ``python -m bench`` in closed loops at 1, 4 and 8 streams
    (pcm16, medium and long texts so that streams last several seconds, cut after
    ``--max-audio-s``); ``--rounds`` > 1 repeats the servers with their order flipped;
 3. **in-process**: ChatTTS's own ``infer()`` (stock float32) and the engine stepping in
-   this process (``bench.engine_direct``, default and int8) at the same levels.
+   this process (``bench.engine_direct``: default, int8 and compiled) at the same levels.
 
 Every result records the 1-minute load average after it (the machine is shared). Writes
 ``OUT.json`` (everything, every stream) and ``OUT.md`` (:mod:`bench.cpu_report`) after each
@@ -48,6 +49,14 @@ SYSTEMS: dict[str, tuple[list[str], str]] = {
     "before": ([], "before"),
     "after": ([], "after"),
     "after-int8": (["--quantize", "int8"], "after"),
+    "after-compiled": (["--compile-step", "on"], "after"),  # --compile-step: minutes of warm-up
+    "after-compiled-int8": (["--compile-step", "on", "--quantize", "int8"], "after"),
+}
+#: The in-process engine each server is compared with at c8: name → its extra flags.
+ENGINES: dict[str, list[str]] = {
+    "engine-direct": [],
+    "engine-direct-int8": ["--quantize", "int8"],
+    "engine-direct-compiled": ["--compile-step", "on"],
 }
 
 
@@ -64,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-commit", default="", help="the commit of this tree if it is no git checkout")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     p.add_argument("--parts", default="step,servers,inprocess", help="which parts to run")
+    p.add_argument(
+        "--engines", default=",".join(["chattts-infer", *ENGINES]), help="which in-process systems to measure"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which servers to measure")
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--duration", type=float, default=40.0, help="load time of one server scenario, s")
@@ -174,14 +186,15 @@ class Run:
             await server.stop()
 
     async def inprocess(self, harness: Any) -> None:
-        """ChatTTS's ``infer()`` and the engine in-process (default, and int8)."""
+        """ChatTTS's ``infer()`` and the engine in-process (default, int8, compiled)."""
         levels = [int(c) for c in self.args.concurrency.split(",")]
-        await harness.measure_inprocess("chattts-infer", "bench.infer_baseline", levels, [])
-        await harness.measure_inprocess("engine-direct", "bench.engine_direct", levels, [])
-        await harness.measure_inprocess(
-            "engine-direct-int8", "bench.engine_direct", levels, ["--quantize", "int8"]
-        )
-        for name in ("chattts-infer", "engine-direct", "engine-direct-int8"):
+        wanted = self.args.engines.split(",")
+        if "chattts-infer" in wanted:
+            await harness.measure_inprocess("chattts-infer", "bench.infer_baseline", levels, [])
+        engines = [n for n in wanted if n in ENGINES]
+        for name in engines:
+            await harness.measure_inprocess(name, "bench.engine_direct", levels, ENGINES[name])
+        for name in ("chattts-infer", *engines):
             if name in harness.systems:
                 self.result["systems"][name] = [harness.systems[name]]
         self.result["skipped"] += harness.skipped

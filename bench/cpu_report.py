@@ -9,6 +9,8 @@ from typing import Any
 REALTIME_MS_PER_TOKEN = 1000 / (24_000 / 512)
 LONG_S = 4.0  # "streams of at least 4 s"
 LISTENER_MS = 300.0
+#: The in-process engine each server is compared with at c8 (the same flags, no server).
+SERVER_ENGINE = {"after-int8": "engine-direct-int8", "after-compiled": "engine-direct-compiled"}
 LOADED = 1.5  # a 1-minute load average above this on 2 cores: the number was taken on a loaded machine
 
 STEP_ROWS = (
@@ -103,7 +105,8 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
             numbers = f"{_f(ours)} ms vs {_f(hf)} ms (CPU time: {_f(cpu[0])} vs {_f(cpu[1])} ms)"
             rows.append((what, numbers, met))
     v = views(result)
-    servers = [name for name in ("after", "after-int8") if (name, 1) in v or (name, 8) in v]
+    names = ("after", "after-int8", "after-compiled", "after-compiled-int8")
+    servers = [name for name in names if (name, 1) in v or (name, 8) in v]
     for name in servers:
         c1, c8 = v.get((name, 1)), v.get((name, 8))
         if c1:
@@ -121,7 +124,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
             rows.append(
                 (f"{name}: c8 ≥ 3 audio-s per wall-s", f"{_f(c8['throughput'], 2)}", c8["throughput"] >= 3)
             )
-            engine = v.get(("engine-direct-int8" if name == "after-int8" else "engine-direct", 8))
+            engine = v.get((SERVER_ENGINE.get(name, "engine-direct"), 8))
             if engine:
                 ratio = c8["throughput"] / engine["throughput"]
                 numbers = f"{_f(c8['throughput'], 2)} / {_f(engine['throughput'], 2)} = {ratio:.2f}×"
@@ -225,7 +228,8 @@ def _server_table(result: dict[str, Any]) -> list[str]:
         f"| underrun streams @{LISTENER_MS:g} ms (all, ≥ 4 s) | TTFA p50 / p90 (s) | errors | load after |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = ["before", "after", "after-int8", "chattts-infer", "engine-direct", "engine-direct-int8"]
+    order = ["before", "after", "after-int8", "after-compiled", "after-compiled-int8", "chattts-infer"]
+    order += ["engine-direct", "engine-direct-int8", "engine-direct-compiled"]
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
             f"| {system} c{c} | {x['streams']} | {x['long']} | "

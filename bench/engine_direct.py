@@ -139,6 +139,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8)")
+    parser.add_argument("--compile-step", default="off", help="the engine's --compile-step (on, off)")
     parser.add_argument("--segment-max-chars", type=int, default=120)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -152,7 +153,9 @@ def main() -> int:
         dtype=args.dtype,
         num_threads=args.threads or None,
         options=EngineOptions(
-            block_schedule=tuple(int(b) for b in args.block_schedule.split(",")), quantize=args.quantize
+            block_schedule=tuple(int(b) for b in args.block_schedule.split(",")),
+            quantize=args.quantize,
+            compile_step=args.compile_step == "on",
         ),
     )
     engine.warmup()
@@ -174,6 +177,7 @@ def main() -> int:
         "device": engine.info.extra.get("device"),
         "block_schedule": args.block_schedule,
         "quantize": args.quantize,
+        "token_step": engine.info.extra.get("token_step"),
         "max_tokens": max_tokens,
         "random_weights": engine.random_weights,
     }

@@ -121,6 +121,12 @@ class Settings:
         "capture the token step as CUDA graphs at start-up (CUDA only; a failed capture runs it eagerly)",
         choices=("on", "off"),
     )
+    compile_step: str = _opt(
+        "off",
+        "CPU: compile the token step with torch.compile (inductor) at warm-up: about 2x faster single "
+        "streams, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly)",
+        choices=("on", "off"),
+    )
     quantize: str = _opt(
         "none",
         "int8: the GPT's projections as weight-only int8 (faster single streams on a CPU, other tokens "
@@ -367,6 +373,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         max_batch=settings.max_batch,
         segment_max_tokens=settings.segment_max_tokens,
         cuda_graphs=settings.cuda_graphs == "on",
+        compile_step=settings.compile_step == "on",
         quantize=settings.quantize,
         refine_max_tokens=settings.refine_max_tokens,
         voice_max_seconds=settings.voice_max_seconds,

@@ -4,6 +4,8 @@
   float32, near-greedy, with rows joining, pausing, leaving and ending on their own, the
   tokens are identical (bf16, the form serving uses, rounds differently by nature);
 * ``--quantize int8`` loads, serves a stream, and says so in ``hello`` and ``/metrics``;
+* ``--compile-step on`` (inductor, the CPU) gives the same tokens as the eager step in
+  float32 with rows joining and leaving, and a compile that fails gives way to the eager step;
 * a runner whose capture raises at warm-up gives way to the eager step: the server starts,
   logs one loud line, says so in ``hello`` and ``/metrics``, and streams.
 """
@@ -187,3 +189,83 @@ async def test_a_failed_capture_falls_back_to_the_eager_step(
         assert log.done is not None and log.done["reason"] == "complete" and log.done["samples"] > 0
     finally:
         await app.stop()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled step is the CPU's")
+@pytest.mark.timeout(900)  # inductor compiles two graphs: about 2 minutes on a quiet 2-core machine
+def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
+    fp32_engine: Any, tiny_model_dir: Path
+) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.step.compiled import CompiledRunner
+
+    eager = _join_pause_leave(fp32_engine)
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        options=EngineOptions(max_batch=8, compile_step=True),
+    )
+    try:
+        runner = engine._batch.runner
+        assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
+        assert engine.info.extra["token_step"] == "compiled"
+        assert "token_step_fallback" not in engine.info.extra
+        compiled = _join_pause_leave(engine)  # batch 1 to 4, lengths growing, rows joining and leaving
+        assert runner.misses == 0  # every step ran compiled: warm-up met every graph serving needs
+    finally:
+        engine.close()
+    assert set(compiled) == set(eager) == {0, 1, 2, 3, 4}
+    for sid in eager:
+        assert torch.equal(compiled[sid], eager[sid]), f"row {sid} diverged"
+
+
+def test_bf16_projections_stay_plain_for_the_compiler(tiny_model_dir: Path) -> None:
+    """Inductor packs bf16 weights itself and cannot trace an opaque oneDNN weight."""
+    llama = torch.nn.Module()
+    llama.layers = torch.nn.ModuleList([_layer(8) for _ in range(2)])
+    cpu = torch.device("cpu")
+    got = linear.prepare_projections(llama, dtype=torch.bfloat16, device=cpu, quantize="none", compiled=True)
+    assert got == "dense" and isinstance(llama.layers[0].self_attn.q_proj, torch.nn.Linear)
+    assert llama.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def _layer(width: int) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    for owner, name in linear.PROJECTIONS:
+        setattr(getattr(layer, owner), name, torch.nn.Linear(width, width, bias=False))
+    return layer
+
+
+def _failing_compiler(fn: Any, **options: Any) -> Any:
+    """``torch.compile`` on a machine without a C++ compiler: it fails at the first call."""
+
+    def compiled(*args: Any) -> None:
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
+
+    return compiled
+
+
+def test_a_failed_compile_falls_back_to_the_eager_step(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.step.compiled import CompiledRunner
+
+    def factory(step: Any) -> Any:
+        return CompiledRunner(step, compiler=_failing_compiler)
+
+    with caplog.at_level(logging.ERROR, logger="server.engine.chattts.step.runner"):
+        engine = ChatTTSEngine.load(
+            model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", step_runner=factory
+        )
+    try:
+        loud = [r for r in caplog.records if "TOKEN STEP FALLBACK" in r.getMessage()]
+        assert len(loud) == 1 and "compiled failed at warm-up" in loud[0].getMessage()
+        assert engine.info.extra["token_step"] == "eager"
+        assert "no g++" in engine.info.extra["token_step_fallback"]
+        got = run_to_end(engine, [_request(1, seed=3, max_tokens=12)])[1]
+        assert got.tokens > 0 and len(got.samples) > 0
+    finally:
+        engine.close()

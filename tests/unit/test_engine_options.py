@@ -26,6 +26,7 @@ def test_defaults_are_the_engines() -> None:
     assert options.max_batch == 16
     assert options.segment_max_tokens == 2048
     assert options.cuda_graphs is True
+    assert options.compile_step is False  # opt-in: minutes of start-up
     assert options.refine_max_tokens == 384
     assert options.voice_max_seconds == 10.0
     assert options.voice_transcript_tokens is None
@@ -82,7 +83,7 @@ def test_values_the_engine_clamps_are_accepted() -> None:
 def test_engine_options_maps_the_flags() -> None:
     flags = ["--block-schedule", "4,8", "--prefill-bucket", "32", "--segment-max-chars", "80"]
     flags += ["--max-batch", "3", "--segment-max-tokens", "900", "--cuda-graphs", "off"]
-    flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5"]
+    flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5", "--compile-step", "on"]
     assert engine_options(load_settings(flags, env={})) == EngineOptions(
         block_schedule=(4, 8),
         prefill_bucket=32,
@@ -90,6 +91,7 @@ def test_engine_options_maps_the_flags() -> None:
         max_batch=3,
         segment_max_tokens=900,
         cuda_graphs=False,
+        compile_step=True,
         refine_max_tokens=0,
         voice_max_seconds=5.0,
         voice_transcript_tokens=transcript_limit(5.0),

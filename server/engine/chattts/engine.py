@@ -7,11 +7,10 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
 * per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
   into the sequence's own KV slot (:mod:`server.engine.chattts.step.kv`);
-* blocks of token steps (:mod:`.step.runner`) with static shapes over the slots
-  (:mod:`.step.token_step`, the Llama layer by layer in :mod:`.step.llama` on the
-  projections of :mod:`.step.linear`), eagerly or as CUDA graphs (:mod:`.step.graphs`),
-  with counter-based random streams and sampling on the device (:mod:`.step.sampling`);
-  one value comes back to the host per token (any row still running?), one summary per block;
+* blocks of token steps (:mod:`.step.runner`) over the slots (:mod:`.step.token_step`, the Llama
+  in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
+  (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
+  (:mod:`.step.sampling`); one value comes back to the host per token, one summary per block;
 * incremental decode of only the new tokens, each row on its own block
   schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
   group of similar window lengths) (:mod:`server.engine.chattts.decode`,
@@ -86,7 +85,7 @@ class ChatTTSEngine:
         self._decode_opts = {name: getattr(options, name) for name in _DECODE_OPTIONS}
         self._llama = chat.gpt.gpt
         self._projections = prepare_projections(
-            self._llama, dtype=dtype, device=device, quantize=options.quantize
+            self._llama, dtype=dtype, device=device, quantize=options.quantize, compiled=options.compile_step
         )
         cfg = self._llama.config
         self.hidden_size = int(cfg.hidden_size)
@@ -128,6 +127,7 @@ class ChatTTSEngine:
             min_tokens=self.min_tokens,
             repetition_penalty=options.repetition_penalty,
             cuda_graphs=options.cuda_graphs,
+            compile_step=options.compile_step,
             step_runner=step_runner,
         )
         self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos

@@ -63,6 +63,10 @@ class EngineOptions:
     cuda_graphs: bool = True
     """Capture the token step as CUDA graphs on a CUDA device (no effect elsewhere)."""
 
+    compile_step: bool = False
+    """Compile the token step with ``torch.compile`` (inductor) at warm-up, on the CPU only
+    (:mod:`server.engine.chattts.step.compiled`); a failed compile runs it eagerly."""
+
     quantize: str = "none"
     """``"int8"``: the GPT's projections as weight-only int8 (half the bytes a bf16 step reads;
     other tokens than without it); ``"none"``: as loaded in ``dtype``."""

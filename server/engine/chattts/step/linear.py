@@ -126,8 +126,13 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
 
 
-def prepare_projections(llama: nn.Module, *, dtype: torch.dtype, device: torch.device, quantize: str) -> str:
+def prepare_projections(
+    llama: nn.Module, *, dtype: torch.dtype, device: torch.device, quantize: str, compiled: bool = False
+) -> str:
     """Cast the Llama to ``dtype`` and give its projections the step's best form; what they became.
+
+    ``compiled``: the step will be compiled on the CPU (``--compile-step on``), whose compiler
+    packs bf16 weights itself and cannot trace :class:`PackedLinear`: they stay ``nn.Linear``.
 
     Returns:
         ``"int8"`` (:class:`Int8Linear`), ``"onednn-bf16"`` (:class:`PackedLinear`, bf16 on a CPU
@@ -141,7 +146,8 @@ def prepare_projections(llama: nn.Module, *, dtype: torch.dtype, device: torch.d
         llama.to(dtype=dtype)
         return "int8"
     llama.to(dtype=dtype)
-    if device.type == "cpu" and dtype == torch.bfloat16 and onednn_packing_available():
+    pack = device.type == "cpu" and dtype == torch.bfloat16 and not compiled
+    if pack and onednn_packing_available():
         _replace(layers, PackedLinear)
         return "onednn-bf16"
     return "dense"

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from server.engine.chattts.decode import DecodeWindow, StreamDecoder
+from server.engine.chattts.step.compiled import CompiledRunner
 from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
 from server.engine.chattts.step.kv import (
     LENGTH_STEP,
@@ -107,6 +108,7 @@ class SlotBatch:
         min_tokens: EOS is banned before this many tokens.
         repetition_penalty: ChatTTS's penalty.
         cuda_graphs: capture the step as CUDA graphs (on a CUDA device only).
+        compile_step: compile the step with inductor (on the CPU only).
         step_runner: overrides the runner (tests).
     """
 
@@ -123,6 +125,7 @@ class SlotBatch:
         min_tokens: int,
         repetition_penalty: float,
         cuda_graphs: bool,
+        compile_step: bool = False,
         step_runner: RunnerFactory | None = None,
     ) -> None:
         self.layout = layout
@@ -164,6 +167,8 @@ class SlotBatch:
             self.runner: StepRunner = step_runner(self.token_step)
         elif cuda_graphs and device.type == "cuda":
             self.runner = CudaGraphRunner(self.token_step, device)
+        elif compile_step and device.type == "cpu":
+            self.runner = CompiledRunner(self.token_step)
         else:
             self.runner = EagerRunner(self.token_step)
         #: Why the chosen runner gave way to the eager step at warm-up (``None``: it did not).

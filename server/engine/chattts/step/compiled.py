@@ -1,0 +1,92 @@
+"""The token step compiled by inductor on the CPU (``--compile-step on``).
+
+An eager CPU step is hundreds of small operator calls per token (norms, rotary, residuals,
+the attention's casts and masks, sampling) around the 140 projections, each paying
+Python and dispatcher overhead on tensors of a few rows; at batch 1 that overhead is a third
+of the step. ``torch.compile`` fuses it into a few generated C++ loops and, with inductor's
+``freezing``, treats the weights as constants and prepacks the bf16 projections for oneDNN
+itself: what :class:`server.engine.chattts.step.linear.PackedLinear` does eagerly, whose
+opaque oneDNN weight inductor cannot trace, so under this runner the projections stay
+transformers' ``nn.Linear`` (or :class:`~server.engine.chattts.step.linear.Int8Linear`).
+
+One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
+batch of 1 (its 0/1 rule), so there are two graphs, batch 1 and batch 2 and more, each for
+every attention length. Measured on this project's 2-core AMD EPYC (full-size model, bf16,
+``bench/results/cpu_realtime_epyc.md``): the step at batch 1 takes about half the eager
+prepacked step's time; compiling costs minutes at warm-up (inductor keeps what it compiled
+on disk, in ``TORCHINDUCTOR_CACHE_DIR``, so a restart on the same machine compiles less).
+
+After warm-up the runner refuses to recompile (``fail_on_recompile``): a shape or guard
+warm-up did not meet runs that one step eagerly, logged once, instead of stalling every
+stream for a compile in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from server.engine.chattts.step.graphs import Shape, StepFn
+
+log = logging.getLogger(__name__)
+
+#: ``torch.compile``'s signature as this runner uses it (tests pass one that raises).
+Compiler = Callable[..., Any]
+
+
+class CompiledRunner:
+    """Compiles the step at :meth:`prepare` (warm-up) and runs the compiled step in :meth:`run`.
+
+    Args:
+        step: the static step.
+        compiler: ``torch.compile`` (tests pass a failing one to exercise the fallback).
+    """
+
+    kind = "compiled"
+
+    def __init__(self, step: StepFn, *, compiler: Compiler = torch.compile) -> None:
+        self._step = step
+
+        def token_step(batch: int, length: int) -> None:
+            step(batch, length)
+
+        self._compiled: StepFn = compiler(token_step, dynamic=True, options={"freezing": True})
+        self._prepared = False
+        #: Steps run eagerly because the compiled step would have had to recompile (should stay 0).
+        self.misses = 0
+
+    def prepare(self, shapes: Sequence[Shape]) -> None:
+        """Compile by running every batch size at its shortest and longest attention length.
+
+        Raises whatever the compiler raised (no C++ compiler, an operator inductor cannot
+        lower): the engine then falls back to the eager step, loudly.
+        """
+        lengths: dict[int, list[int]] = {}
+        for batch, length in shapes:
+            lengths.setdefault(batch, []).append(length)
+        began = time.perf_counter()
+        for batch, seen in sorted(lengths.items()):
+            for length in sorted({min(seen), max(seen)}):
+                self._compiled(batch, length)
+        self._prepared = True
+        log.info("compiled the token step (inductor) in %.1f s", time.perf_counter() - began)
+
+    def run(self, batch: int, length: int) -> None:
+        """One compiled step; eagerly if it would need a new compile."""
+        if not self._prepared:
+            self._compiled(batch, length)
+            return
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                self._compiled(batch, length)
+        except RuntimeError as exc:
+            if "recompile" not in str(exc).lower():
+                raise
+            if not self.misses:
+                log.warning("the compiled step would recompile at %s: stepping eagerly", (batch, length))
+            self.misses += 1
+            self._step(batch, length)
