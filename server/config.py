@@ -123,8 +123,8 @@ class Settings:
     )
     compile_step: str = _opt(
         "off",
-        "CPU: compile the token step with torch.compile (inductor) at warm-up: about 2x faster single "
-        "streams, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly)",
+        "CPU: compile the token step with torch.compile (inductor) at warm-up: a token step about 1.5x "
+        "faster, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly)",
         choices=("on", "off"),
     )
     quantize: str = _opt(

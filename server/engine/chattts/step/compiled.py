@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from server.engine.chattts.step.graphs import Shape, StepFn
+from server.engine.chattts.step.graphs import Shape, StepFn, lengths_by_batch
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,12 @@ def compile_order(shapes: Sequence[Shape]) -> list[Shape]:
     (a precaution: the difference was not measured). The longest length is a graph of its
     own (dynamo specializes an attention over the whole slot), so it is met too: four graphs.
     """
-    lengths: dict[int, list[int]] = {}
-    for batch, length in shapes:
-        lengths.setdefault(batch, []).append(length)
     order: list[Shape] = []
-    for i, (batch, seen) in enumerate(sorted(lengths.items())):
+    for i, (batch, seen) in enumerate(lengths_by_batch(shapes).items()):
         if i < 2:  # batch 1 and the first batch above it: the two graphs' first calls
-            fitting = sorted(n for n in seen if n >= HINT_LENGTH) or sorted(seen)
-            order.append((batch, fitting[0] if fitting[0] < max(seen) else min(seen)))
-        order += [(batch, n) for n in sorted({min(seen), max(seen)}) if (batch, n) not in order]
+            hint = next((n for n in seen if n >= HINT_LENGTH), seen[0])
+            order.append((batch, hint if hint < seen[-1] else seen[0]))
+        order += [(batch, n) for n in sorted({seen[0], seen[-1]}) if (batch, n) not in order]
     return order
 
 

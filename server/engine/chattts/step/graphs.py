@@ -34,10 +34,18 @@ StepFn = Callable[[int, int], None]
 Shape = tuple[int, int]
 
 
+def lengths_by_batch(shapes: Sequence[Shape]) -> dict[int, list[int]]:
+    """Each batch size of ``shapes`` (ascending) with its attention lengths (ascending)."""
+    lengths: dict[int, list[int]] = {}
+    for batch, length in shapes:
+        lengths.setdefault(batch, []).append(length)
+    return {batch: sorted(lengths[batch]) for batch in sorted(lengths)}
+
+
 class StepRunner(Protocol):
     """Runs the token step at a bucketed shape."""
 
-    #: ``"eager"`` or ``"cuda-graphs"`` (engine info).
+    #: ``"eager"``, ``"cuda-graphs"`` or ``"compiled"`` (engine info).
     kind: str
 
     def prepare(self, shapes: Sequence[Shape]) -> None:
@@ -65,11 +73,8 @@ class EagerRunner:
         longest one meets the largest allocations. Running every length too would only
         lengthen start-up (on the CPU, seconds per batch size).
         """
-        lengths: dict[int, list[int]] = {}
-        for batch, length in shapes:
-            lengths.setdefault(batch, []).append(length)
-        for batch, seen in lengths.items():
-            for length in sorted({min(seen), max(seen)}):
+        for batch, seen in lengths_by_batch(shapes).items():
+            for length in sorted({seen[0], seen[-1]}):
                 self._step(batch, length)
 
     def run(self, batch: int, length: int) -> None:
