@@ -104,8 +104,16 @@ COPY . .
 # Same command as the README; the Python part is already done (matching stamp), so this
 # installs the system libraries (libopus0) in this image.
 RUN TORCH_SPEC="${TORCH_SPEC}" scripts/setup.sh && rm -rf /var/lib/apt/lists/*
+# `--compile-step on` (CHATTTS_COMPILE_STEP=on) compiles the CPU token step with inductor,
+# which builds its kernels with a C++ compiler: without g++ the server would step eagerly.
+# Inductor's cache goes on the weights volume, so a restart reuses the compiled kernels.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     HOME=/home/app \
+    TORCHINDUCTOR_CACHE_DIR=/models/inductor \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
     CHATTTS_HTTP_PORT=8081 \

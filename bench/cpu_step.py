@@ -18,7 +18,13 @@ ever adds time, and every round is kept with the load average after it):
   projections, attention, KV writes, the rest of the Llama (norms, rotary, residuals, MLP
   activation) and the rest of the step (heads, sampling, bookkeeping);
 * with ``--compile``: ``transformers-compiled`` (``torch.compile``, default mode) and its
-  compile time.
+  compile time;
+* with ``--compiled-step FORMS`` (``bf16``, ``int8``): ``step-compiled`` and
+  ``step-compiled-int8``, the engine's own ``--compile-step on`` runner (with ``--quantize
+  int8`` for the second), each on a fresh load of the model after the other rows (the
+  runner freezes the weights it was compiled with, so it cannot share the forms' layers),
+  compiled at these batches and this length, timed over the same number of rounds, with
+  its compile time.
 
 Plus ``torch.profiler``'s top operators of one step of each ``step-<form>`` at every batch.
 """
@@ -223,6 +229,43 @@ class Transformers:
         return run
 
 
+def compiled_step(
+    model_dir: Path, quantize: str, batches: list[int], length: int, rounds: int, iterations: int
+) -> tuple[str, dict[str, Any]]:
+    """The engine's compiled token step (``--compile-step on``) on a fresh load of the model.
+
+    ``quantize``: ``bf16`` (none) or ``int8``. Returns the row name and, per ``name@batch``, the
+    wall and CPU ms of every round (plus ``compile_s``: the runner's ``prepare`` at these shapes).
+    """
+    from server.engine.chattts.assets import load_chat
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.options import EngineOptions
+
+    name = "step-compiled" if quantize == "bf16" else f"step-compiled-{quantize}"
+    options = EngineOptions(
+        max_batch=max(batches), compile_step=True, quantize="none" if quantize == "bf16" else quantize
+    )
+    loaded = load_chat(model_dir=model_dir, device=torch.device("cpu"))
+    engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=options)
+    batch_runner = engine._batch
+    timing: dict[str, Any] = {}
+    with torch.inference_mode():
+        began = time.perf_counter()
+        batch_runner.prepare_runner([(b, length) for b in batches])
+        timing["compile_s"] = time.perf_counter() - began
+        if batch_runner.runner_fallback is not None:
+            raise RuntimeError(f"{name}: {batch_runner.runner_fallback}")
+        for r in range(rounds):
+            for batch in batches if r % 2 == 0 else batches[::-1]:
+                wall, cpu = median_ms(lambda b=batch: batch_runner.runner.run(b, length), iterations)
+                entry = timing.setdefault(f"{name}@{batch}", {"ms": [], "cpu_ms": []})
+                entry["ms"].append(wall)
+                entry["cpu_ms"].append(cpu)
+            print(f"[cpu_step] {name} round {r}: load {os.getloadavg()[0]:.1f}", flush=True)
+    engine.close()
+    return name, timing
+
+
 def main() -> int:
     """Load the engine, build every form, run the rounds, write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,6 +276,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=8, help="calls per timed run")
     p.add_argument("--compile", action="store_true", help="also torch.compile transformers' LlamaModel")
+    p.add_argument(
+        "--compiled-step", default="", help="comma-separated: bf16, int8 (the engine's --compile-step on)"
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -303,6 +349,12 @@ def main() -> int:
             forms.use(form)
             for batch in batches:
                 profiles[f"step-{form}@{batch}"] = top_ops(lambda b=batch: step(b, length))
+    engine_extra = dict(engine.info.extra)
+    step_compile_s: dict[str, float] = {}
+    for quantize in [q for q in args.compiled_step.split(",") if q]:
+        name, timing = compiled_step(args.model_dir, quantize, batches, length, args.rounds, args.iterations)
+        step_compile_s[name] = timing.pop("compile_s")
+        rows.update(timing)
     result = {
         "weights": weights,
         "length": length,
@@ -316,7 +368,8 @@ def main() -> int:
         "profiles": profiles,
         "loadavg_after_rounds": loads,
         "compile_s": compiled.get("compile_s"),
-        "engine": dict(engine.info.extra),
+        "compiled_step_compile_s": step_compile_s,
+        "engine": engine_extra,
         "transformers_attention": getattr(config, "_attn_implementation", None),
     }
     args.out.write_text(json.dumps(result, indent=1))

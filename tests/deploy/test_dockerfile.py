@@ -306,6 +306,15 @@ def test_gpu_target_exposes_the_gpu_and_selects_cuda() -> None:
     assert effective_env("cpu")["CHATTTS_DEVICE"] == "cpu"
 
 
+def test_cpu_target_can_compile_the_step_and_keeps_the_compiled_kernels() -> None:
+    """``--compile-step on`` needs a C++ compiler (else it steps eagerly); its cache lives on the volume."""
+    final = STAGES["cpu"]
+    assert re.search(r"apt-get install[^\n]*\bg\+\+", runs(final)), "the CPU image needs g++ for inductor"
+    cache = effective_env("cpu")["TORCHINDUCTOR_CACHE_DIR"]
+    volumes = " ".join(final.values("VOLUME"))
+    assert any(cache.startswith(v.strip('[]" ') + "/") for v in re.findall(r'"[^"]+"', volumes)), cache
+
+
 def test_no_secrets_in_the_image() -> None:
     secretish = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AWS_|HF_TOKEN)", re.I)
     for stage in STAGES.values():
