@@ -43,6 +43,7 @@ from typing import Any
 from bench.cpu_report import render
 from bench.machine import describe_machine
 from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess
+from server.config import OPENMP_VARIABLES, Settings, thread_environment
 
 #: name → (extra ``serve`` flags, whose code: ``"before"`` or ``"after"``).
 SYSTEMS: dict[str, tuple[list[str], str]] = {
@@ -57,6 +58,7 @@ ENGINES: dict[str, list[str]] = {
     "engine-direct": [],
     "engine-direct-int8": ["--quantize", "int8"],
     "engine-direct-compiled": ["--compile-step", "on"],
+    "engine-direct-compiled-int8": ["--compile-step", "on", "--quantize", "int8"],
 }
 
 
@@ -102,6 +104,7 @@ class Run:
             "command": shlex.join(["python", "-m", "bench.cpu_realtime", *argv]),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": describe_machine(),
+            "openmp_env": {k: CHILD_ENV[k] for k in OPENMP_VARIABLES if k in CHILD_ENV},
             "commits": {"after": args.after_commit or _commit(REPO_ROOT)},
             "step": None,
             "systems": {},
@@ -211,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the parts asked for; write the results after each."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    CHILD_ENV.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    # Every system, servers and in-process engines alike, waits as a server started here
+    # would by default (or as this environment says): the ratios compare code, not settings.
+    CHILD_ENV.update(thread_environment(Settings()))
+    CHILD_ENV.update({k: os.environ[k] for k in OPENMP_VARIABLES if k in os.environ})
     if args.make_model and not (args.model_dir / "DEV_MODEL.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "server", "make-dev-model", "--size", "full", str(args.model_dir)],

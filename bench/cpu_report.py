@@ -34,6 +34,12 @@ STEP_ROWS = (
 SPLIT_COLUMNS = ("projections", "attention", "kv_write", "llama_rest", "step_rest", "total")
 
 
+def _openmp(result: dict[str, Any]) -> str:
+    """How every system's idle OpenMP threads waited (runs before the setting was recorded: PASSIVE)."""
+    env = result.get("openmp_env", {"OMP_WAIT_POLICY": "PASSIVE"})
+    return ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) or "libgomp's defaults"
+
+
 def _best(step: dict[str, Any], name: str, batch: int, key: str = "best_ms") -> float | None:
     rows = step["rows"]
     if name == "floor":
@@ -154,7 +160,7 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"Machine: {m.get('cpu_model')}, {m.get('cpu_cores')} cores, {m.get('memory_gib')} GiB, "
         f"torch {m.get('versions', {}).get('torch')}; {result['settings']['threads']} torch threads, "
-        f"`OMP_WAIT_POLICY=PASSIVE`. Commits: {result['commits']}. 1-minute load average at start "
+        f"OpenMP waits: {_openmp(result)}. Commits: {result['commits']}. 1-minute load average at start "
         f"{_f(m.get('loadavg_at_start', [None])[0])}, now {_f(m.get('loadavg_now', [None])[0])}; "
         f"loads in **bold** (above {LOADED:g} on 2 cores) mark numbers taken on a loaded machine. "
         f"Elapsed {result.get('elapsed_s', 0) / 60:.0f} min.",

@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# torch's OpenMP threads spin while they wait; on a CPU shared with anything else that
-# spinning made model steps up to 60x slower (bench/README.md). Override if you know better.
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# How torch's idle threads wait is the server's own choice (--omp-wait-policy auto: a short
+# spin; pass --omp-wait-policy passive on a CPU shared with other busy processes).
 exec .venv/bin/chattts-stream serve "$@"

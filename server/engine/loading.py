@@ -41,7 +41,7 @@ def _available_cpus() -> frozenset[int]:
 
 
 def prepare_threads(settings: Settings) -> None:
-    """Set what torch's threads read when torch loads (``OMP_WAIT_POLICY``); too late once it has."""
+    """Set what torch's threads read when torch loads (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``): not later."""
     wanted = thread_environment(settings)
     if not wanted:
         return

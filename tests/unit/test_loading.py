@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import load_settings, parse_block_schedule, thread_environment
+from server.config import DEFAULT_OMP_SPIN_COUNT, load_settings, parse_block_schedule, thread_environment
 from server.engine.loading import ModelUnavailable, chattts_engine_factory
 
 
@@ -50,17 +50,24 @@ def test_cuda_graphs_flag_and_variable() -> None:
         load_settings(["--compile-step", "yes"], env={})
 
 
-def test_openmp_threads_wait_passively_unless_told_otherwise() -> None:
+def test_openmp_threads_spin_briefly_unless_told_otherwise() -> None:
     def wanted(flags: list[str], env: dict[str, str]) -> dict[str, str]:
         return thread_environment(load_settings(flags, env={}), env)
 
-    assert wanted([], {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert wanted([], {}) == {"GOMP_SPINCOUNT": str(DEFAULT_OMP_SPIN_COUNT)}
+    assert wanted(["--omp-spin-count", "3000"], {}) == {"GOMP_SPINCOUNT": "3000"}
     assert wanted([], {"OMP_WAIT_POLICY": "ACTIVE"}) == {}  # the operator's own setting stays
+    assert wanted([], {"GOMP_SPINCOUNT": "50"}) == {}
     assert wanted(["--omp-wait-policy", "active"], {}) == {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert wanted(["--omp-wait-policy", "passive"], {"OMP_WAIT_POLICY": "ACTIVE"}) == {
-        "OMP_WAIT_POLICY": "PASSIVE"
+    # libgomp lets GOMP_SPINCOUNT override PASSIVE, so passive zeroes it.
+    assert wanted(["--omp-wait-policy", "passive"], {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "9"}) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "0",
     }
     assert load_settings([], env={"CHATTTS_OMP_WAIT_POLICY": "active"}).omp_wait_policy == "active"
+    assert load_settings([], env={"CHATTTS_OMP_SPIN_COUNT": "7"}).omp_spin_count == 7
+    with pytest.raises(ModelUnavailable, match="--omp-spin-count -1"):
+        chattts_engine_factory(load_settings(["--omp-spin-count", "-1"], env={}))
 
 
 def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path) -> None:
@@ -72,14 +79,14 @@ def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path
         "assert 'torch' not in sys.modules\n"
         "try: build()\n"
         "except ModelUnavailable: pass\n"
-        "assert 'torch' in sys.modules; print(os.environ.get('OMP_WAIT_POLICY'))"
+        "assert 'torch' in sys.modules; print(os.environ.get('GOMP_SPINCOUNT'))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     root = Path(__file__).resolve().parents[2]
     run = [sys.executable, "-c", code]
     out = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=250, check=False)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "PASSIVE"
+    assert out.stdout.strip() == str(DEFAULT_OMP_SPIN_COUNT)
 
 
 def test_engine_cpus_parse_and_refuse_by_name() -> None:
