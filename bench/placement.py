@@ -37,25 +37,28 @@ from bench.machine import describe_machine
 from bench.servers import REPO_ROOT, ServerProcess, child_env
 from bench.stats import summarize
 from bench.textset import DEFAULT_TEXTS, load_texts, seed_base
+from server.config import OPENMP_VARIABLES, Settings, thread_environment
 
-#: name → (serve flags, environment beyond the harness's (OMP_WAIT_POLICY left out), audio format).
-#: The server sets OMP_WAIT_POLICY=PASSIVE itself (``--omp-wait-policy auto``); libgomp's own default,
-#: what the server ran with before, is 300000 spins (about 3 ms) before an idle thread sleeps.
+#: name → (serve flags, environment beyond the harness's (its OpenMP variables left out), audio format).
+#: The server sets GOMP_SPINCOUNT itself (``--omp-wait-policy auto``: a short spin); libgomp's own
+#: default is 300000 spins (about 3 ms) before an idle thread sleeps.
 SERVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
-    "server t2 passive": (["--threads", "2"], {}, "pcm16"),
+    "server t2 spin": (["--threads", "2"], {}, "pcm16"),
+    "server t2 passive": (["--threads", "2", "--omp-wait-policy", "passive"], {}, "pcm16"),
     "server t2 libgomp-default": (["--threads", "2"], {"GOMP_SPINCOUNT": "300000"}, "pcm16"),
     "server t2 active": (["--threads", "2", "--omp-wait-policy", "active"], {}, "pcm16"),
-    "server t1 passive": (["--threads", "1"], {}, "pcm16"),
+    "server t1 passive": (["--threads", "1", "--omp-wait-policy", "passive"], {}, "pcm16"),
     "server t1 pinned": (["--threads", "1", "--engine-cpus", "1"], {}, "pcm16"),
-    "server t2 passive opus": (["--threads", "2"], {}, "opus"),
+    "server t2 passive opus": (["--threads", "2", "--omp-wait-policy", "passive"], {}, "opus"),
 }
-#: name → (torch threads of the in-process engine, CPUs it may run on: 0 = all), OMP_WAIT_POLICY=PASSIVE.
+#: name → (torch threads of the in-process engine, CPUs it may run on: 0 = all); each waits as
+#: the server does by default (:func:`server.config.thread_environment`).
 ENGINES = {"engine t2": (2, 0), "engine t1": (1, 0), "engine t1 one-core": (1, 1)}
 REFERENCE = "engine t2"
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    return {**{k: v for k, v in child_env().items() if k != "OMP_WAIT_POLICY"}, **extra}
+    return {**{k: v for k, v in child_env().items() if k not in OPENMP_VARIABLES}, **extra}
 
 
 class EngineChild:
@@ -73,7 +76,7 @@ class EngineChild:
         with open(self.log, "ab") as log:  # noqa: ASYNC230 (once, before the measurement)
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, cwd=REPO_ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=log, env=_env({"OMP_WAIT_POLICY": "PASSIVE"}),
+                stderr=log, env=_env(thread_environment(Settings(), {})),
             )  # fmt: skip
         await self._answer()
 
