@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which servers to measure")
     p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument(
+        "--block-schedule", default="", help="every server's and in-process engine's (default: their own)"
+    )
     p.add_argument("--duration", type=float, default=40.0, help="load time of one server scenario, s")
     p.add_argument("--max-audio-s", type=float, default=6.0, help="each stream is cut after this much audio")
     p.add_argument("--text-sizes", default="medium,long", help="texts of the default set to use")
@@ -171,7 +174,7 @@ class Run:
     async def _serve(self, harness: Any, name: str, extra: list[str], cwd: Path, round_: int) -> None:
         from bench.client import fetch_hello
 
-        flags = [*harness.server_flags(), "--cache-bytes", "0", *extra]
+        flags = [*harness.server_flags(), "--cache-bytes", "0", *extra, *self.schedule_flags()]
         server = ServerProcess(flags, log_path=self.workdir / f"{name}-{round_}.log", cwd=cwd)
         print(f"[cpu_realtime] server {name} #{round_}: {shlex.join(server.argv)}; in {cwd}", flush=True)
         try:
@@ -188,6 +191,10 @@ class Run:
         finally:
             await server.stop()
 
+    def schedule_flags(self) -> list[str]:
+        """``--block-schedule`` for every server and in-process engine, when one is asked for."""
+        return ["--block-schedule", self.args.block_schedule] if self.args.block_schedule else []
+
     async def inprocess(self, harness: Any) -> None:
         """ChatTTS's ``infer()`` and the engine in-process (default, int8, compiled)."""
         levels = [int(c) for c in self.args.concurrency.split(",")]
@@ -196,7 +203,8 @@ class Run:
             await harness.measure_inprocess("chattts-infer", "bench.infer_baseline", levels, [])
         engines = [n for n in wanted if n in ENGINES]
         for name in engines:
-            await harness.measure_inprocess(name, "bench.engine_direct", levels, ENGINES[name])
+            extra = [*ENGINES[name], *self.schedule_flags()]
+            await harness.measure_inprocess(name, "bench.engine_direct", levels, extra)
         for name in ("chattts-infer", *engines):
             if name in harness.systems:
                 self.result["systems"][name] = [harness.systems[name]]

@@ -23,8 +23,10 @@ ENV_PREFIX = "CHATTTS_"
 VERSION = "0.1.0"
 
 
-#: ``--omp-spin-count``: about 17 ms per bf16 token step at batch 1 on two EPYC cores from 3000
-#: to 300000 (libgomp's own default), 19 ms at 1000, 29 ms passive (bench/results/cpu_spin_epyc.md).
+#: ``--omp-spin-count``: alone on two EPYC cores the bf16 step at batch 1 takes 16.7 ms from 3000
+#: spins up (16.9 at 10000), 22.9 at 1000, 30.1 PASSIVE (bench/results/cpu_spin_epyc.md); 10000
+#: leaves a margin above that knee for slower machines. Beside a busy process every spin count
+#: is slower than PASSIVE (67 ms at 10000): ``--omp-wait-policy passive`` is for shared CPUs.
 DEFAULT_OMP_SPIN_COUNT = 10_000
 #: The variables that decide how libgomp's idle threads wait (an operator's own setting wins).
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -94,7 +96,7 @@ class Settings:
         "how torch's idle OpenMP threads wait (set before torch loads); auto: a short spin "
         "(--omp-spin-count) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: the token step 1.7x faster "
         "than passive on a CPU of its own; passive: sleep at once, for a CPU shared with other busy "
-        "processes (there any spinning made steps 1.7-20x slower); active: spin without end",
+        "processes (beside a busy loop every spin made steps 1.5-15x slower); active: spin without end",
         choices=("auto", "passive", "active"),
     )
     omp_spin_count: int = _opt(
