@@ -23,12 +23,8 @@ ENV_PREFIX = "CHATTTS_"
 VERSION = "0.1.0"
 
 
-#: ``--omp-spin-count``: alone on two EPYC cores the bf16 step at batch 1 takes 16.7 ms from 3000
-#: spins up (16.9 at 10000), 22.9 at 1000, 30.1 PASSIVE (bench/results/cpu_spin_epyc.md); 10000
-#: leaves a margin above that knee for slower machines. Beside a busy process every spin count
-#: is slower than PASSIVE (67 ms at 10000): ``--omp-wait-policy passive`` is for shared CPUs.
+#: ``--omp-spin-count`` (why: bench/results/cpu_spin_epyc.md); the variables libgomp's waits obey.
 DEFAULT_OMP_SPIN_COUNT = 10_000
-#: The variables that decide how libgomp's idle threads wait (an operator's own setting wins).
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
@@ -318,12 +314,9 @@ def load_settings(argv: Sequence[str] = (), env: Mapping[str, str] | None = None
 def thread_environment(settings: Settings, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables to set before torch loads (``env``: default the process's).
 
-    ``auto`` keeps what the environment already sets (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``)
-    and otherwise asks for a short spin: between the token step's hundreds of small parallel
-    operators an idle thread is woken within microseconds instead of sleeping in the kernel
-    (PASSIVE: 28.7 against 16.5 ms per step at batch 1 on a 2-core EPYC), and it still goes to
-    sleep between steps, leaving the cores to the event loop. ``passive`` and ``active``
-    set ``OMP_WAIT_POLICY``; passive also zeroes the spin count, which libgomp lets override it.
+    ``auto`` keeps what the environment sets, else asks for a short spin: an idle thread catches
+    the step's next small operator instead of sleeping in the kernel (PASSIVE: 30.1 against 16.9
+    ms per step at batch 1 on two EPYC cores); ``passive`` also zeroes libgomp's spin count.
     """
     env = os.environ if env is None else env
     if settings.omp_wait_policy == "auto":
