@@ -10,8 +10,8 @@ REALTIME_MS_PER_TOKEN = 1000 / (24_000 / 512)
 LONG_S = 4.0  # "streams of at least 4 s"
 LISTENER_MS = 300.0
 #: The in-process engine each server is compared with at c8 (the same flags, no server); a
-#: server whose engine was not measured (``bench.cpu_realtime`` has no compiled int8 engine)
-#: gets no ratio rather than one against other flags.
+#: server whose engine was not measured in the run gets no ratio rather than one against other
+#: flags.
 SERVER_ENGINE = {
     "after": "engine-direct",
     "after-int8": "engine-direct-int8",

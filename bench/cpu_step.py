@@ -229,6 +229,18 @@ class Transformers:
         return run
 
 
+def bf16_cpu_engine(model_dir: Path, **options: Any) -> Any:
+    """A ``ChatTTSEngine`` on a fresh load of the model: CPU, bf16, these ``EngineOptions``, not warmed up."""
+    from server.engine.chattts.assets import load_chat
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.options import EngineOptions
+
+    loaded = load_chat(model_dir=model_dir, device=torch.device("cpu"))
+    return ChatTTSEngine(
+        loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=EngineOptions(**options)
+    )
+
+
 def compiled_step(
     model_dir: Path, quantize: str, batches: list[int], length: int, rounds: int, iterations: int
 ) -> tuple[str, dict[str, Any]]:
@@ -237,16 +249,13 @@ def compiled_step(
     ``quantize``: ``bf16`` (none) or ``int8``. Returns the row name and, per ``name@batch``, the
     wall and CPU ms of every round (plus ``compile_s``: the runner's ``prepare`` at these shapes).
     """
-    from server.engine.chattts.assets import load_chat
-    from server.engine.chattts.engine import ChatTTSEngine
-    from server.engine.chattts.options import EngineOptions
-
     name = "step-compiled" if quantize == "bf16" else f"step-compiled-{quantize}"
-    options = EngineOptions(
-        max_batch=max(batches), compile_step=True, quantize="none" if quantize == "bf16" else quantize
+    engine = bf16_cpu_engine(
+        model_dir,
+        max_batch=max(batches),
+        compile_step=True,
+        quantize="none" if quantize == "bf16" else quantize,
     )
-    loaded = load_chat(model_dir=model_dir, device=torch.device("cpu"))
-    engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=options)
     batch_runner = engine._batch
     timing: dict[str, Any] = {}
     with torch.inference_mode():

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine
+from bench.servers import REPO_ROOT
+from server.config import OPENMP_VARIABLES
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The settings measured: name → the environment a child gets.
 SETTINGS: dict[str, dict[str, str]] = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -39,7 +40,6 @@ SETTINGS: dict[str, dict[str, str]] = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
 HOG = "while True: pass"
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def child(model_dir: Path, threads: int) -> dict[str, Any]:
@@ -47,16 +47,11 @@ def child(model_dir: Path, threads: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    from bench.cpu_step import median_ms
-    from server.engine.chattts.assets import load_chat
-    from server.engine.chattts.engine import ChatTTSEngine
-    from server.engine.chattts.options import EngineOptions
+    from bench.cpu_step import bf16_cpu_engine, median_ms
 
-    loaded = load_chat(model_dir=model_dir, device=torch.device("cpu"))
-    options = EngineOptions(max_batch=8)
-    engine = ChatTTSEngine(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=options)
+    engine = bf16_cpu_engine(model_dir, max_batch=8)
     step = engine._batch.token_step
-    out: dict[str, Any] = {"env_seen": {k: os.environ[k] for k in WAIT_VARIABLES if k in os.environ}}
+    out: dict[str, Any] = {"env_seen": {k: os.environ[k] for k in OPENMP_VARIABLES if k in os.environ}}
     with torch.inference_mode():
         for batch, length in ((1, 256), (8, 512)):
             wall, cpu = min(median_ms(lambda b=batch, n=length: step(b, n), 8) for _ in range(3))
@@ -66,7 +61,7 @@ def child(model_dir: Path, threads: int) -> dict[str, Any]:
 
 def measure(name: str, hogs: int, args: argparse.Namespace) -> dict[str, Any]:
     """One setting in a fresh child, ``hogs`` busy loops running beside it."""
-    env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
     env.update(SETTINGS[name])
     argv = [sys.executable, "-m", "bench.omp_spin", "--child", "--model-dir", str(args.model_dir)]
     argv += ["--threads", str(args.threads)]
