@@ -43,7 +43,8 @@ from typing import Any
 from bench.cpu_report import render
 from bench.machine import describe_machine
 from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess
-from server.config import OPENMP_VARIABLES, Settings, thread_environment
+from server.config import OPENMP_VARIABLES, Settings
+from server.engine.flags import thread_environment
 
 #: name → (extra ``serve`` flags, whose code: ``"before"`` or ``"after"``).
 SYSTEMS: dict[str, tuple[list[str], str]] = {

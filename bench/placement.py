@@ -37,7 +37,8 @@ from bench.machine import describe_machine
 from bench.servers import REPO_ROOT, ServerProcess, child_env
 from bench.stats import summarize
 from bench.textset import DEFAULT_TEXTS, load_texts, seed_base
-from server.config import OPENMP_VARIABLES, Settings, thread_environment
+from server.config import OPENMP_VARIABLES, Settings
+from server.engine.flags import thread_environment
 
 #: name → (serve flags, environment beyond the harness's (its OpenMP variables left out), audio format).
 #: The server sets GOMP_SPINCOUNT itself (``--omp-wait-policy auto``: a short spin); libgomp's own
@@ -52,7 +53,7 @@ SERVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
     "server t2 passive opus": (["--threads", "2", "--omp-wait-policy", "passive"], {}, "opus"),
 }
 #: name → (torch threads of the in-process engine, CPUs it may run on: 0 = all); each waits as
-#: the server does by default (:func:`server.config.thread_environment`).
+#: the server does by default (:func:`server.engine.flags.thread_environment`).
 ENGINES = {"engine t2": (2, 0), "engine t1": (1, 0), "engine t1 one-core": (1, 1)}
 REFERENCE = "engine t2"
 

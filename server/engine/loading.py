@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from server.config import Settings, engine_options, parse_cpus, thread_environment
+from server.config import Settings
+from server.engine.flags import engine_options, parse_cpus, thread_environment
 from server.errors import StartupError
 
 if TYPE_CHECKING:

@@ -28,7 +28,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.config import Settings, engine_options
+from server.config import Settings
+from server.engine.flags import engine_options
 from server.frontends.access import read_api_keys
 from server.frontends.wyoming.server import exposure_problem
 from tests.deploy import crd_schema

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from server.config import engine_options, load_settings
+from server.config import load_settings
 from server.engine.chattts.options import EngineOptions
+from server.engine.flags import engine_options
 from server.voices.recording import transcript_limit
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import DEFAULT_OMP_SPIN_COUNT, load_settings, parse_block_schedule, thread_environment
+from server.config import DEFAULT_OMP_SPIN_COUNT, load_settings
+from server.engine.flags import parse_block_schedule, thread_environment
 from server.engine.loading import ModelUnavailable, chattts_engine_factory
 
 
@@ -90,7 +91,7 @@ def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path
 
 
 def test_engine_cpus_parse_and_refuse_by_name() -> None:
-    from server.config import parse_cpus
+    from server.engine.flags import parse_cpus
 
     four = frozenset(range(4))
     assert parse_cpus("", four) == frozenset()

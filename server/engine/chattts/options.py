@@ -1,7 +1,7 @@
 """The ChatTTS engine's options: one frozen object, each option with its default and its meaning.
 
 :class:`server.engine.chattts.engine.ChatTTSEngine` takes it whole; the server builds it
-from its flags in :func:`server.config.engine_options`. Pure (no torch), so that settings
+from its flags in :func:`server.engine.flags.engine_options`. Pure (no torch), so that settings
 can be checked without loading anything.
 """
 
