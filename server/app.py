@@ -379,7 +379,7 @@ class App:
 
 
 #: The engine facts ``hello.compute`` carries (the rest of ``EngineInfo.extra`` is only in /metrics).
-COMPUTE_FACTS = ("dtype", "quantize", "token_step", "token_step_fallback")
+COMPUTE_FACTS = ("dtype", "quantize", "token_step", "token_step_fallback", "vocoder_dtype")
 
 
 def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:

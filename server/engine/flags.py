@@ -96,6 +96,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         cuda_graphs=settings.cuda_graphs == "on",
         compile_step=settings.compile_step == "on",
         quantize=settings.quantize,
+        vocoder_dtype=settings.vocoder_dtype,
         refine_max_tokens=settings.refine_max_tokens,
         voice_max_seconds=settings.voice_max_seconds,
         voice_transcript_tokens=transcript_limit(settings.voice_max_seconds),

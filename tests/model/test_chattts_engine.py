@@ -30,6 +30,7 @@ def test_is_an_engine(tiny_engine: Any) -> None:
     assert isinstance(tiny_engine, Engine)
     assert tiny_engine.info.name == "chattts"
     assert tiny_engine.info.extra["random_weights"] == "true"
+    assert tiny_engine.info.extra["vocoder_dtype"] == "float32"  # a float32 GPT keeps float32 audio
     assert tiny_engine.info.samples_per_token == 512
 
 
@@ -219,6 +220,9 @@ def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
         assert c.tokens == 50
         assert len(c.samples) == 512 * 50 - 256
         assert engine.dtype == torch.bfloat16
+        # A bf16 GPT decodes in bf16 too (--vocoder-dtype auto), and says so.
+        assert engine.info.extra["vocoder_dtype"] == "bfloat16"
+        assert np.isfinite(c.samples).all() and np.abs(c.samples).max() > 0
     finally:
         engine.close()
 

@@ -7,6 +7,7 @@ show at every sample of it, not only at its edge.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -79,3 +80,44 @@ def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> 
         vocoder.decode(_windows([5, 9]))
         after = make_decode_fn(decoder, vocos)(window)
     assert np.array_equal(before, after)
+
+
+def test_a_bfloat16_vocoder_keeps_rows_apart_and_stays_near_the_float32_decode(
+    modules: tuple[Any, Any],
+) -> None:
+    """``--vocoder-dtype bfloat16`` (the CPU's auto with a bf16 GPT): rows as exact as in float32,
+    and every window within 30 dB of the float32 decode (38 dB measured), in both decode paths."""
+    from server.engine.chattts.vocode import BatchVocoder
+
+    decoder, vocos = copy.deepcopy(modules)  # the vocoder converts its modules in place
+    windows = _windows(LENGTHS)
+    with torch.inference_mode():
+        exact = [make_decode_fn(*modules)(w) for w in windows]
+        vocoder = BatchVocoder(decoder, vocos, max_waste=0.25, dtype=torch.bfloat16)
+        alone = [make_decode_fn(decoder, vocos)(w) for w in windows]
+        batched = vocoder.decode(windows)
+    assert next(decoder.parameters()).dtype == next(vocos.backbone.parameters()).dtype == torch.bfloat16
+    assert next(vocos.head.parameters()).dtype == torch.float32  # the ISTFT head stays float32
+    for n, ref, one, got in zip(LENGTHS, exact, alone, batched, strict=True):
+        assert got.dtype == np.float32 and len(got) == len(ref)
+        assert np.abs(got - one).max() <= 1e-5, f"window of {n} tokens: {np.abs(got - one).max():.2e}"
+        snr = 10 * np.log10(np.sum(ref**2) / np.sum((one - ref) ** 2))
+        assert 30.0 < snr < 80.0, f"window of {n} tokens: {snr:.1f} dB from float32"  # < 80: not float32
+
+
+@pytest.mark.parametrize(
+    ("option", "gpt", "expected"),
+    [
+        ("auto", torch.bfloat16, torch.bfloat16),
+        ("auto", torch.float32, torch.float32),  # the token-identical path keeps ChatTTS's audio
+        ("auto", torch.float16, torch.float32),  # fp16 (the GPU's auto) could overflow the ConvNeXt
+        ("float32", torch.bfloat16, torch.float32),
+        ("bfloat16", torch.float32, torch.bfloat16),
+    ],
+)
+def test_the_vocoder_follows_only_a_bfloat16_gpt_unless_told(
+    option: str, gpt: torch.dtype, expected: torch.dtype
+) -> None:
+    from server.engine.chattts.vocode import vocoder_dtype
+
+    assert vocoder_dtype(option, gpt) == expected

@@ -28,6 +28,7 @@ def test_defaults_are_the_engines() -> None:
     assert options.segment_max_tokens == 2048
     assert options.cuda_graphs is True
     assert options.compile_step is False  # opt-in: minutes of start-up
+    assert options.vocoder_dtype == "auto"  # bf16 with a bf16 GPT, else float32
     assert options.refine_max_tokens == 384
     assert options.voice_max_seconds == 10.0
     assert options.voice_transcript_tokens is None
@@ -67,6 +68,7 @@ def test_block_schedule_is_kept_as_a_tuple_of_ints() -> None:
         ({"prefill_bucket": 0}, r"prefill_bucket 0: must be at least 1 \(1: no padding\)"),
         ({"max_batch": 0}, r"max_batch 0: must be at least 1"),
         ({"segment_max_tokens": 0}, r"segment_max_tokens 0: must be at least 1"),
+        ({"vocoder_dtype": "float16"}, r"vocoder_dtype 'float16': must be one of auto, float32, bfloat16"),
     ],
 )
 def test_values_the_engine_cannot_run_with_are_refused(values: dict[str, object], message: str) -> None:
@@ -85,6 +87,7 @@ def test_engine_options_maps_the_flags() -> None:
     flags = ["--block-schedule", "4,8", "--prefill-bucket", "32", "--segment-max-chars", "80"]
     flags += ["--max-batch", "3", "--segment-max-tokens", "900", "--cuda-graphs", "off"]
     flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5", "--compile-step", "on"]
+    flags += ["--vocoder-dtype", "float32"]
     assert engine_options(load_settings(flags, env={})) == EngineOptions(
         block_schedule=(4, 8),
         prefill_bucket=32,
@@ -93,6 +96,7 @@ def test_engine_options_maps_the_flags() -> None:
         segment_max_tokens=900,
         cuda_graphs=False,
         compile_step=True,
+        vocoder_dtype="float32",
         refine_max_tokens=0,
         voice_max_seconds=5.0,
         voice_transcript_tokens=transcript_limit(5.0),

@@ -52,12 +52,17 @@ def samples_for_tokens(n_tokens: int) -> int:
 
 
 def make_decode_fn(decoder: torch.nn.Module, vocos: Any) -> DecodeFn:
-    """One-shot decode ``(T, hidden)`` GPT hidden states → float32 samples (ChatTTS's ``_decode_to_wavs``)."""
+    """One-shot decode ``(T, hidden)`` GPT hidden states → float32 samples (ChatTTS's ``_decode_to_wavs``).
+
+    In whatever dtype the Decoder holds now (:class:`.vocode.BatchVocoder` may have made it
+    bfloat16, the Vocos backbone with it); Vocos's ISTFT head always runs in float32.
+    """
 
     def decode(hiddens: torch.Tensor) -> npt.NDArray[np.float32]:
-        x = hiddens.to(dtype=torch.float32).t().unsqueeze(0).contiguous()
+        dtype = next(decoder.parameters()).dtype
+        x = hiddens.to(dtype=dtype).t().unsqueeze(0).contiguous()
         mel = decoder(x)
-        wav = vocos.decode(mel)
+        wav = vocos.head(vocos.backbone(mel).float())  # Vocos.decode, with the head in float32
         out: npt.NDArray[np.float32] = wav[0].to(device="cpu", dtype=torch.float32).numpy()
         return out
 

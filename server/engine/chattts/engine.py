@@ -11,10 +11,9 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
   in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
   (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
   (:mod:`.step.sampling`); one value comes back to the host per token, one summary per block;
-* incremental decode of only the new tokens, each row on its own block
-  schedule, all rows due in one batched Decoder + Vocos call (on the CPU, one per
-  group of similar window lengths) (:mod:`server.engine.chattts.decode`,
-  :mod:`server.engine.chattts.vocode`). Only ``server/engine/chattts/`` imports torch.
+* incremental decode of only the new tokens, each row on its own block schedule, all rows due
+  in one batched Decoder + Vocos call (on the CPU, one per group of similar window lengths,
+  in bf16 with a bf16 GPT) (:mod:`.decode`, :mod:`.vocode`). Only ``server/engine/chattts/`` imports torch.
 """
 
 from __future__ import annotations
@@ -129,6 +128,7 @@ class ChatTTSEngine:
             cuda_graphs=options.cuda_graphs,
             compile_step=options.compile_step,
             step_runner=step_runner,
+            vocoder_dtype=options.vocoder_dtype,
         )
         self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
         self._prepared = False

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 TRANSCRIPT_TOKENS_PER_SECOND = 20
 #: ``quantize``'s values: the GPT's projections as loaded, or weight-only int8.
 QUANTIZE_CHOICES = ("none", "int8")
+#: ``vocoder_dtype``'s values (:func:`server.engine.chattts.vocode.vocoder_dtype`).
+VOCODER_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,11 @@ class EngineOptions:
     """``"int8"``: the GPT's projections as weight-only int8 (half the bytes a bf16 step reads;
     other tokens than without it); ``"none"``: as loaded in ``dtype``."""
 
+    vocoder_dtype: str = "auto"
+    """The Decoder's and Vocos backbone's precision: ``"auto"``, bfloat16 when the GPT runs in
+    bfloat16 (the CPU's default where bf16 is native: a decode 2-3.3x faster), else float32. It
+    changes samples, never tokens; a float32 GPT keeps ChatTTS's float32 audio."""
+
     refine_max_tokens: int = 384
     """The refinement pass's token cap (``--refine-max-tokens``; 0, or below: off); a refined text
     may be this long, so it sizes the KV slots too."""
@@ -97,6 +104,9 @@ class EngineOptions:
             raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")
         if self.quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize {self.quantize!r}: must be one of {', '.join(QUANTIZE_CHOICES)}")
+        if self.vocoder_dtype not in VOCODER_DTYPE_CHOICES:
+            choices = ", ".join(VOCODER_DTYPE_CHOICES)
+            raise ValueError(f"vocoder_dtype {self.vocoder_dtype!r}: must be one of {choices}")
 
     @property
     def transcript_tokens(self) -> int:

@@ -43,6 +43,7 @@ from server.engine.chattts.step.kv import (
 )
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
+from server.engine.chattts.vocode import vocoder_dtype as vocoder_dtype_of
 from server.engine_api import SequenceRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class SlotBatch:
             "kv_max_len": str(self.layout.max_len),
             "kv_cache_bytes": str(self.kv.nbytes),
             "token_step": self.runner.kind,
+            "vocoder_dtype": str(self.vocoder.dtype).removeprefix("torch."),
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
             "length_buckets": ",".join(map(str, self.length_buckets)),
         }
@@ -224,10 +226,13 @@ class SlotBatch:
         max_len: int,
         block_schedule: tuple[int, ...],
         prefill_bucket: int,
+        vocoder_dtype: str = "float32",
         **options: Any,
     ) -> SlotBatch:
         """The batch for a loaded ``Chat`` whose Llama (``llama``, already in its dtype) runs the steps.
 
+        ``vocoder_dtype``: the Decoder's and Vocos backbone's option (:func:`.vocode.vocoder_dtype`;
+        they are converted in place).
         ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w`` and ``vocoder``.
         """
         cfg, embed = llama.config, chat.embed
@@ -250,7 +255,9 @@ class SlotBatch:
             code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
         # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
         cuda = options["device"].type == "cuda"
-        vocoder = BatchVocoder(chat.decoder, chat.vocos, max_waste=None if cuda else 0.25)
+        waste = None if cuda else 0.25
+        dtype = vocoder_dtype_of(vocoder_dtype, options["dtype"])
+        vocoder = BatchVocoder(chat.decoder, chat.vocos, max_waste=waste, dtype=dtype)
         return cls(llama, layout, head_w=head_w, code_w=code_w, vocoder=vocoder, **options)
 
     def prefill_length(self, prompt_tokens: int) -> int:
