@@ -67,6 +67,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         max_wait_s=settings.max_wait_ms / 1000,
         max_queue=settings.max_queue,
         lookahead=settings.segment_lookahead,
+        lookahead_lead_s=settings.lookahead_lead_s,
         breaker_threshold=settings.breaker_threshold,
         breaker_probe_interval_s=settings.breaker_probe_s,
     )

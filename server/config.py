@@ -217,6 +217,12 @@ class Settings:
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")
     max_queue: int = _opt(256, "sequences waiting for a batch slot before new streams get 'overloaded'")
     segment_lookahead: int = _opt(1, "segments of one stream generated ahead of the one playing")
+    lookahead_lead_s: float = _opt(
+        1.0,
+        "a look-ahead segment is generated only while its stream's audio is this many seconds ahead "
+        "of real time (or a heard segment waits for a slot): a second row must not slow the heard one "
+        "below real time; 0: always",
+    )
     breaker_threshold: int = _opt(
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
     )

@@ -3,7 +3,9 @@
 Pure bookkeeping (no engine, no clock, no locks): which segments to queue
 next (look-ahead), and how step results become the stream's events in order.
 Audio of the segment being heard goes out at once; audio of look-ahead
-segments is held until the segments before it have finished.
+segments is held until the segments before it have finished. The plan also
+keeps how far the audio it let out is ahead of real time (its *lead*), which
+decides when its look-ahead may take part in a step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from server.core.events import Audio, SegmentStarted, StreamEvent
-from server.engine_api import AudioArray, SynthesisParams
+from server.engine_api import NATIVE_SAMPLE_RATE, AudioArray, SynthesisParams
 
 
 @dataclass(eq=False)
@@ -35,6 +37,8 @@ class StreamPlan:
         client: who asked for it (its rate-limit identity): the queue takes turns by client.
         first_segment: the stream's index of ``segments[0]``, added to each segment's seed offset
             (a stream regenerated from a later segment draws as the whole stream did).
+        heard_since: when its first audio went out (``None``: none yet).
+        heard_samples: samples of audio that went out.
     """
 
     stream_id: int
@@ -50,6 +54,24 @@ class StreamPlan:
     ended: bool = False
     client: str = ""
     first_segment: int = 0
+    heard_since: float | None = None
+    heard_samples: int = 0
+
+    def lead_s(self, now: float) -> float:
+        """Seconds of audio out beyond what a listener who began at its first sample has played.
+
+        ``-inf`` before the first audio: a stream that has not been heard yet has no lead.
+        """
+        if self.heard_since is None:
+            return float("-inf")
+        return self.heard_samples / NATIVE_SAMPLE_RATE - (now - self.heard_since)
+
+    def count_heard(self, events: list[StreamEvent], now: float) -> None:
+        """Add the audio of ``events`` (this plan's, about to go out) to what was heard."""
+        samples = sum(len(e.samples) for e in events if isinstance(e, Audio))
+        if samples and self.heard_since is None:
+            self.heard_since = now
+        self.heard_samples += samples
 
     def segments_to_queue(self, lookahead: int) -> list[int]:
         """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.

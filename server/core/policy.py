@@ -14,6 +14,10 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
 - **Look-ahead priority**: a stream's segment being heard (a new stream's first
   one too) ranks before every look-ahead segment, so a stream's look-ahead
   never takes a slot that another stream's listener waits for.
+- **Look-ahead waits for a lead**: a look-ahead segment takes part in a step only
+  while its stream's audio is ``lookahead_lead_s`` ahead of real time (or a heard
+  segment waits for a slot; 0: always): on a CPU that barely keeps up, a second row slows the
+  segment being heard below real time, for audio that nobody can hear yet.
 - **Per-stream share**: a stream has at most ``1 + lookahead`` unfinished
   segments queued or running.
 - **Held-segment cap**: segments that finish ahead of their turn are held (their
@@ -62,6 +66,7 @@ class PolicyConfig:
     max_wait_s: float = 0.005
     max_queue: int = 256
     lookahead: int = 1
+    lookahead_lead_s: float = 1.0
     max_tokens_per_segment: int = 2048
     breaker_threshold: int = 5
     breaker_probe_interval_s: float = 2.0
@@ -244,8 +249,23 @@ class SchedulingPolicy:
             if now < deadline:
                 return Batch(drop=drop, wait_until=deadline)
         add, waited = self._admit(now)
-        step = tuple(itertools.islice(self._running, self.batch_limit))
-        return Batch(drop=drop, add=add, waited_s=waited, step=step)
+        return Batch(drop=drop, add=add, waited_s=waited, step=self._stepping(now))
+
+    def _stepping(self, now: float) -> tuple[int, ...]:
+        """The running sequences the step advances: look-ahead only where its stream has a lead.
+
+        A gated look-ahead steps anyway while a heard segment waits for a slot (it must finish to
+        free one); gated before it first steps, it is not prefilled and holds no KV slot. A stream's
+        heard segment is always running or waiting, so a gate never leaves the batch with nothing.
+        """
+        lead = self.config.lookahead_lead_s
+        ungated = lead <= 0 or bool(self._waiting.by_client(0))
+        ready = [
+            seq_id
+            for seq_id, plan in self._running.items()
+            if ungated or plan.live_seqs[seq_id] == plan.emit_index or plan.lead_s(now) >= lead
+        ]
+        return tuple(itertools.islice(ready, self.batch_limit))
 
     def refuse(self, seq_id: int) -> list[StreamEvent]:
         """The engine would not take this sequence (``engine.add`` raised): its stream fails."""
@@ -331,6 +351,7 @@ class SchedulingPolicy:
             del self._running[result.seq_id]
             del plan.live_seqs[result.seq_id]
         events = plan.on_audio(segment, result.audio, result.finished)
+        plan.count_heard(events, now)
         if result.finished:
             if plan.emit_index != segment and plan.emit_index not in plan.live_seqs.values():
                 # The listener now waits for a segment queued as look-ahead: it ranks as heard.

@@ -125,7 +125,7 @@ async def test_batch_is_capped_and_waiting_sequences_join_at_block_boundaries(en
 
 
 async def test_next_segment_generates_before_the_current_one_finishes(engine: FakeEngine) -> None:
-    async with run_core(engine, lookahead=1) as sched:
+    async with run_core(engine, lookahead=1, lookahead_lead_s=0.0) as sched:  # 0: look-ahead ungated
         sink = Sink()
         # Each segment longer than the one before, so k+1 is still running when k ends.
         segments = [
@@ -144,6 +144,21 @@ async def test_next_segment_generates_before_the_current_one_finishes(engine: Fa
         # Audio still arrives strictly in segment order.
         starts = [e.index for e in sink.events if isinstance(e, SegmentStarted)]
         assert starts == [0, 1, 2]
+
+
+async def test_a_look_ahead_waits_while_its_stream_is_not_far_enough_ahead(engine: FakeEngine) -> None:
+    """No stream gets 1000 s ahead: each look-ahead segment is added, but steps only once heard."""
+    async with run_core(engine, lookahead=1, lookahead_lead_s=1000.0) as sched:
+        sink = Sink()
+        segments = ["First sentence.", "The second sentence is longer.", "Third."]
+        sched.submit(segments, SynthesisParams(seed=1), sink)
+        await wait_all([sink])
+        events = list(engine.events)
+        for k in range(2):
+            assert events.index(("add", k + 1)) < events.index(("finish", k))  # queued as before
+            assert min(steps_with(engine, k + 1)) > max(steps_with(engine, k))  # but not stepped
+        assert [e.index for e in sink.events if isinstance(e, SegmentStarted)] == [0, 1, 2]
+        assert sink.end is not None and sink.end.reason == "complete"
 
 
 async def test_a_segment_that_finishes_early_does_not_stall_the_next(engine: FakeEngine) -> None:

@@ -30,7 +30,9 @@ LATER = 1.0  # past max_wait: the first batch is not held back to gather more
 
 
 def make_policy(**config: object) -> SchedulingPolicy:
-    return SchedulingPolicy(PolicyConfig(**{"max_wait_s": 0.0, **config}))  # type: ignore[arg-type]
+    # Look-ahead ungated unless a test says otherwise: the gate has tests of its own below.
+    defaults = {"max_wait_s": 0.0, "lookahead_lead_s": 0.0}
+    return SchedulingPolicy(PolicyConfig(**{**defaults, **config}))  # type: ignore[arg-type]
 
 
 def add(
@@ -124,6 +126,54 @@ def test_held_segments_are_capped() -> None:
         run_step(policy, batch, finished=[s for s in batch.step if s != first])
     width = 1 + 1
     assert admitted == 1 + width + 1  # segment 0, then look-ahead until 1 + width are held
+
+
+# --- look-ahead waits for a lead --------------------------------------------------------------
+
+
+def audio_result(seq_id: int, seconds: float, *, finished: bool = False) -> StepResult:
+    audio = np.zeros(int(seconds * 24_000), np.float32)
+    return StepResult(seq_id=seq_id, audio=audio, tokens=1, finished=finished)
+
+
+def test_a_look_ahead_steps_only_while_its_stream_is_ahead_of_real_time() -> None:
+    policy = make_policy(lookahead=1, lookahead_lead_s=1.0)
+    add(policy, 0, ["heard.", "ahead."])
+    batch = policy.schedule(0.0)
+    heard, ahead = (r.seq_id for r in batch.add)
+    assert batch.step == (heard,)  # nothing heard yet: no lead, the heard segment steps alone
+    policy.update(batch, Stepped([audio_result(heard, 1.5)], 0.3), 10.0)  # 1.5 s out at t = 10
+    assert policy.schedule(10.2).step == (heard, ahead)  # 1.3 s ahead of a listener
+    assert policy.schedule(10.6).step == (heard,)  # 0.9 s: below the lead again
+    assert PolicyConfig().lookahead_lead_s == 1.0  # the default gates
+
+
+def test_held_look_ahead_audio_counts_toward_the_lead_when_it_goes_out() -> None:
+    policy = make_policy(lookahead=3, lookahead_lead_s=1.0)
+    add(policy, 0, ["s0.", "s1.", "s2.", "s3."])
+    batch = policy.schedule(0.0)
+    s0, s1, s2, s3 = (r.seq_id for r in batch.add)
+    policy.update(batch, Stepped([audio_result(s0, 1.2)], 0.1), 1.0)
+    batch = policy.schedule(1.0)
+    assert batch.step == (s0, s1, s2, s3)
+    finish_s1 = [audio_result(s0, 0), audio_result(s1, 2.0, finished=True), audio_result(s2, 0)]
+    finish_s1.append(audio_result(s3, 0))
+    policy.update(batch, Stepped(finish_s1, 0.1), 1.1)  # s1's 2 s are held behind s0
+    assert policy.schedule(1.5).step == (s0,)  # 1.2 s out, 0.5 s played: not ahead enough
+    policy.update(Batch(step=(s0,)), Stepped([audio_result(s0, 0, finished=True)], 0.1), 1.6)
+    # s0 ended, s1's held audio went out: 3.2 s out, 0.7 s played. s2 is heard, s3 may step.
+    assert policy.schedule(1.7).step == (s2, s3)
+
+
+def test_a_gated_look_ahead_steps_while_another_streams_heard_segment_waits_for_a_slot() -> None:
+    policy = make_policy(max_batch=2, lookahead=1, lookahead_lead_s=1.0)
+    add(policy, 0, ["a0.", "a1."])
+    batch = policy.schedule(0.0)
+    a0, a1 = (r.seq_id for r in batch.add)
+    assert batch.step == (a0,)
+    add(policy, 1, ["b0 waits for a slot."])
+    batch = policy.schedule(0.1)
+    assert not batch.add and batch.step == (a0, a1)  # a1 must finish to free b0's slot
 
 
 # --- admission -----------------------------------------------------------------------------------
