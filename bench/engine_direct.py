@@ -6,7 +6,7 @@ No server, no sockets, no scheduler: the loop keeps N jobs live, steps all
 of them together and replaces each finished job with the next one (closed
 loop), the way a perfectly efficient server would. Same engine settings as
 ``serve``'s defaults (device ``auto``, dtype ``auto``, block schedule
-``8,16,32``); a job's text is split into segments as the server splits it,
+``8,16,20,24,32``); a job's text is split into segments as the server splits it,
 and a job's segments run one after another in its slot. ``--max-audio-s``
 caps each segment's tokens the way the harness's cancel caps server streams.
 """
@@ -135,7 +135,7 @@ class ClosedLoop:
 def main() -> int:
     """Run the scenarios and write the JSON."""
     parser = inproc.base_parser(__doc__ or "")
-    parser.add_argument("--block-schedule", default="8,16,32")
+    parser.add_argument("--block-schedule", default="8,16,20,24,32")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8)")

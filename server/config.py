@@ -101,7 +101,9 @@ class Settings:
         "(GOMP_SPINCOUNT: libgomp, the OpenMP of PyTorch's pip wheels; tens of microseconds)",
     )
     block_schedule: str = _opt(
-        "8,16,32", "tokens per block for a sequence's 1st, 2nd, ... block (last repeats)"
+        "8,16,20,24,32",
+        "tokens per block for a sequence's 1st, 2nd, ... block (last repeats); a gentle ramp after the "
+        "2nd block: a listener starts on 0.4 s of audio, the 3rd block must arrive before it is played",
     )
     prefill_bucket: int = _opt(
         16, "pad prompts up to a multiple of this many tokens: few kernel shapes, flat memory (1: off)"

@@ -17,7 +17,7 @@ from server.voices.recording import transcript_limit
 
 def test_defaults_are_the_engines() -> None:
     options = EngineOptions()
-    assert options.block_schedule == (8, 16, 32)
+    assert options.block_schedule == (8, 16, 20, 24, 32)
     assert options.default_voice == "seed:2"
     assert (options.context_tokens, options.holdback_tokens, options.crossfade_samples) == (16, 4, 256)
     assert options.min_tokens == 1

@@ -26,7 +26,7 @@ class EngineOptions:
         ValueError: from the constructor, naming the option, for a value the engine cannot run with.
     """
 
-    block_schedule: tuple[int, ...] = (8, 16, 32)
+    block_schedule: tuple[int, ...] = (8, 16, 20, 24, 32)
     """Tokens between a sequence's 1st, 2nd, ... decodes (the last repeats); each at least 1."""
 
     default_voice: str = "seed:2"
