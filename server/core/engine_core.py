@@ -6,8 +6,11 @@ thread and loops on its own: take the commands in, ask the
 engine (drop, add, one step of a token block), feed the outcome back to the
 policy, and hand the events it releases to ``emit`` in one batch. A newcomer
 therefore waits for the step in flight, not for a whole batch
-(iteration-level batching). The engine is created, warmed up, stepped and
-closed on this thread only.
+(iteration-level batching); and an engine that can end a block early (an
+``interrupt`` attribute, as the ChatTTS engine has) ends it at the next token
+once a command that brings or frees work (add, append, cancel) waits, so the
+newcomer waits one token, not a block. The engine is created, warmed up,
+stepped and closed on this thread only.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+#: Commands that end a running block early: they bring work a listener waits for, or free some.
+URGENT_COMMANDS = (Add, Append, Cancel)
 #: An idle loop wakes this often to say it is alive.
 HEARTBEAT_S = 1.0
 Emit = Callable[[list[CoreEvent]], None]
@@ -81,6 +86,7 @@ class EngineCore:
         self._clock = clock
         self._cond = threading.Condition()
         self._intake: list[Command] = []
+        self._urgent = False  # the intake holds an add, append or cancel (read without the lock)
         self._encodes: deque[EncodeVoice] = deque()  # one runs per round, between steps
         self._stop = False
         self._adds_taken = 0
@@ -96,7 +102,12 @@ class EngineCore:
         """Queue a command (any thread); the loop takes it in before its next step."""
         with self._cond:
             self._intake.append(command)
+            self._urgent = self._urgent or isinstance(command, URGENT_COMMANDS)
             self._cond.notify()
+
+    def _command_waits(self) -> bool:
+        """The engine's ``interrupt``: an add, append or cancel waits (a bool read, no lock)."""
+        return self._urgent
 
     def shutdown(self) -> None:
         """Ask the loop to stop after its current step (any thread)."""
@@ -125,6 +136,8 @@ class EngineCore:
             if self._warmup:
                 self._warm(engine)
             self._observe_memory(engine)
+            if hasattr(engine, "interrupt"):  # optional engine capability; not during warm-up
+                engine.interrupt = self._command_waits
             self._emit([Ready()])
             wait: float | None = 0.0
             while (wait := self._iterate(engine, wait)) is not None:
@@ -181,7 +194,7 @@ class EngineCore:
                 self._cond.wait(timeout=wait)
             if self._stop:
                 return None
-            commands, self._intake = self._intake, []
+            commands, self._intake, self._urgent = self._intake, [], False
         return commands
 
     def _apply(self, command: Command) -> list[CoreEvent]:
@@ -308,7 +321,7 @@ class EngineCore:
     def _finish(self, engine: Engine) -> None:
         """The loop is ending: streams still here, or still in the intake, fail; the engine closes."""
         with self._cond:
-            commands, self._intake = self._intake, []
+            commands, self._intake, self._urgent = self._intake, [], False
         events = [event for command in commands for event in self._apply(command)]
         events += [VoiceEncoded(c.request_id, None, STOPPED, True) for c in self._encodes]
         self._encodes.clear()

@@ -9,7 +9,8 @@ engine's step and event logs, not from wall time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from server.core.events import Ended, SegmentStarted, StreamEvent
 from server.core.generation import GenerateRequest, Generation
 from server.core.policy import PolicyConfig
 from server.engine.fake import FAIL_MARKER, FakeEngine
-from server.engine_api import SynthesisParams
+from server.engine_api import StepResult, SynthesisParams
 from server.errors import EngineUnavailable, Overloaded
 from server.metrics import Metrics
 
@@ -295,3 +296,41 @@ async def test_a_stopped_loop_refuses_new_streams(engine: FakeEngine) -> None:
         await sched.client.stop()
         with pytest.raises(EngineUnavailable):
             sched.submit(["too late."], SynthesisParams(seed=1), Sink())
+
+
+class Interruptible(FakeEngine):
+    """A fake whose step lasts 5 s (while ``slow``: not during warm-up) unless ``interrupt`` ends it."""
+
+    def __init__(self) -> None:
+        super().__init__(step_base_s=0.0, step_per_row_s=0.0)
+        self.interrupt: Callable[[], bool] | None = None
+        self.slow = False
+        self.cut_short = 0
+
+    def step(self, seq_ids: list[int]) -> list[StepResult]:
+        deadline = time.monotonic() + 5.0
+        while self.slow and time.monotonic() < deadline:
+            if self.interrupt is not None and self.interrupt():
+                self.cut_short += 1
+                break
+            time.sleep(0.001)
+        return super().step(seq_ids)
+
+
+async def test_a_waiting_command_ends_the_running_block_so_a_newcomer_joins_at_once() -> None:
+    engine = Interruptible()
+    async with run_core(engine, max_wait_s=0.0) as sched:
+        assert engine.interrupt is not None  # the core set it once the engine was ready
+        engine.slow, warm_steps = True, len(engine.steps)
+        first, newcomer = Sink(), Sink()
+        sched.submit(["A long first stream, with many blocks to go."], SynthesisParams(seed=1), first)
+        await wait_steps(engine, warm_steps + 1)  # the next step is in flight: 5 s, unless cut short
+        sched.submit(["newcomer."], SynthesisParams(seed=2), newcomer)
+        async with asyncio.timeout(4.0):  # inside the 5 s one uninterrupted step lasts
+            while ("add", 1) not in list(engine.events):  # the newcomer (seq 1) joined the batch
+                await asyncio.sleep(0.005)
+        assert engine.cut_short >= 1
+        assert not engine.interrupt()  # taking the command in cleared the signal
+        engine.slow = False
+        await wait_all([first, newcomer])
+        assert first.end.reason == newcomer.end.reason == "complete"

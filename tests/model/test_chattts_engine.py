@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -292,3 +293,36 @@ def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_di
     assert padded_seen[0] > seen[0], "the test prompt must actually be padded"
     assert padded.tokens == unpadded.tokens
     assert np.abs(padded.samples - unpadded.samples).max() < 1e-4
+
+
+def test_an_interrupted_block_changes_neither_tokens_nor_audio(tiny_model_dir: Any) -> None:
+    """The core ends a block early when a command waits (``interrupt``): the sequence is the same."""
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    options = EngineOptions(min_tokens=50)
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=options
+    )
+
+    def speak(interrupt: Any) -> tuple[torch.Tensor, np.ndarray, int]:
+        codes: list[torch.Tensor] = []
+        engine.token_tap = lambda _seq, c, _hiddens: codes.append(c)
+        engine.interrupt = interrupt
+        engine.add(req(900, "The same words, cut into other blocks.", max_tokens=60))
+        audio, steps = [], 0
+        while True:
+            (result,) = engine.step([900])
+            audio.append(result.audio)
+            steps += 1
+            if result.finished:
+                return torch.cat(codes), np.concatenate(audio), steps
+
+    try:
+        whole = speak(None)
+        asked = itertools.count()
+        cut = speak(lambda: next(asked) % 3 == 2)  # ends blocks after their 3rd token
+    finally:
+        engine.close()
+    assert len(whole[0]) >= 50 and cut[2] > whole[2] + 3  # many more, shorter blocks
+    assert torch.equal(whole[0], cut[0])
+    assert np.array_equal(whole[1], cut[1])  # decodes stay at each row's schedule's targets

@@ -5,8 +5,7 @@ tokens, quadratic re-decode with seams, one cursor and one interrupt flag for
 a whole batch), so this engine uses only ChatTTS's loaded modules (Llama,
 embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
-* per-sequence prefill inside :meth:`ChatTTSEngine.step`, written straight
-  into the sequence's own KV slot (:mod:`server.engine.chattts.step.kv`);
+* per-sequence prefill inside :meth:`ChatTTSEngine.step`, straight into its own KV slot (:mod:`.step.kv`);
 * blocks of token steps (:mod:`.step.runner`) over the slots (:mod:`.step.token_step`, the Llama
   in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
   (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
@@ -34,7 +33,7 @@ from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextR
 from server.engine.chattts.refine_queue import RefineQueue
 from server.engine.chattts.setup import engine_info, kv_length, log_engine_info, resolve_device, resolve_dtype
 from server.engine.chattts.step.linear import prepare_projections
-from server.engine.chattts.step.runner import Row, RunnerFactory, SlotBatch, TokenTap
+from server.engine.chattts.step.runner import Interrupt, Row, RunnerFactory, SlotBatch, TokenTap
 from server.engine.chattts.step.sampling import seed_of, stream_key
 from server.engine.chattts.text import ChatTTSText
 from server.engine.chattts.voice import VoiceBank
@@ -135,6 +134,8 @@ class ChatTTSEngine:
         self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
+        #: Asked after each token: True ends the block there (the core's "a command waits"; None: off).
+        self.interrupt: Interrupt | None = None
         self._info = self._describe()
 
     @classmethod
@@ -158,7 +159,7 @@ class ChatTTSEngine:
                 ``None`` = official weights from the hub cache, downloaded once.
             device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
             dtype: the Llama's dtype: ``"auto"`` (bf16 where native, else float32 on CPU, fp16 on GPU),
-                ``"float32"``, ``"bfloat16"``, ``"float16"``. Decoder and vocoder stay float32.
+                ``"float32"``, ``"bfloat16"``, ``"float16"``; the vocoder follows bf16 (``vocoder_dtype``).
             num_threads: ``torch.set_num_threads`` (``None`` = leave torch's default).
             cache_dir: hub cache for ``model_dir=None``.
             download_timeout_s: hub timeout; offline fails within about this long.
@@ -252,8 +253,7 @@ class ChatTTSEngine:
     def _row(self, request: SequenceRequest, model_text: str, *, refined: bool = False) -> Row:
         """The engine's state of a sequence whose prompt reads ``model_text``."""
         prompt = self.prompts.code_prompt(model_text, request.params)
-        input_ids, text_mask = prompt.input_ids, prompt.text_mask
-        n = int(input_ids.shape[1])
+        n = int(prompt.input_ids.shape[1])
         if self.prefill_length(n) >= self.max_len:
             if refined:  # re-tokenized refinements may run longer than their tokens: speak it unrefined
                 log.warning("a refined prompt of %d tokens does not fit a KV slot; spoken unrefined", n)
@@ -261,8 +261,8 @@ class ChatTTSEngine:
             raise EngineError(f"text too long: {n} prompt tokens (a KV slot holds {self.max_len} positions)")
         return Row(
             request=request,
-            input_ids=input_ids,
-            text_mask=text_mask,
+            input_ids=prompt.input_ids,
+            text_mask=prompt.text_mask,
             speaker=prompt.speaker,
             key=stream_key(seed_of(request)),
             decoder=StreamDecoder(None, **self._decode_opts),
@@ -277,10 +277,10 @@ class ChatTTSEngine:
             self._batch.release(row)
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
-        """Advance the given sequences by one token block each (prefilling new ones first).
+        """Advance the sequences by one token block each; ``interrupt`` may end the block early.
 
-        Sequences still refining advance their refinement by one block instead and return
-        no audio; one that finishes refining in this step is prefilled and steps at once.
+        New ones are prefilled first; refining ones advance their refinement (no audio), and one
+        that finishes refining now is prefilled and steps at once.
         """
         unknown = [s for s in seq_ids if s not in self._seqs and s not in self._refining]
         if unknown:
@@ -325,7 +325,7 @@ class ChatTTSEngine:
         for row in rows:
             if row.slot < 0:
                 self._prefill(row)
-        results = self._batch.run(rows, self.token_tap)
+        results = self._batch.run(rows, self.token_tap, self.interrupt)
         for result in results:
             if result.finished:
                 self.drop(result.seq_id)

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: Builds the step runner around the static step (tests pass a recording one).
 RunnerFactory = Callable[[StepFn], StepRunner]
+#: Asked after each token of a block but its last: True ends the block at that token boundary.
+Interrupt = Callable[[], bool]
 
 
 @dataclass
@@ -326,8 +328,16 @@ class SlotBatch:
         schedule = self.layout.block_schedule
         return schedule[min(row.decodes, len(schedule) - 1)]
 
-    def run(self, rows: list[Row], token_tap: TokenTap | None = None) -> list[StepResult]:
-        """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released)."""
+    def run(
+        self, rows: list[Row], token_tap: TokenTap | None = None, interrupt: Interrupt | None = None
+    ) -> list[StepResult]:
+        """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released).
+
+        ``interrupt`` returning True after a token ends the block there, so that a newcomer (or a
+        cancel) waits one token, not a whole block. A row decodes only at its own schedule's
+        targets, so an early end changes neither tokens nor audio: the rest of its block is the
+        next one.
+        """
         block = min(self._target(r) - r.undecoded for r in rows)
         batch = bucket_for(self.batch_buckets, max(r.slot for r in rows) + 1)
         self.state.begin_block([r.slot for r in rows])
@@ -336,6 +346,8 @@ class SlotBatch:
             length = bucket_for(self.length_buckets, min(longest + t + 1, self.layout.max_len))
             self.runner.run(batch, length)
             if not bool(self.state.any_alive):  # the one device→host read per token
+                break
+            if interrupt is not None and t + 1 < block and interrupt():
                 break
         return self._end_block(rows, batch, token_tap)
 
