@@ -5,8 +5,8 @@
 No server, no sockets, no scheduler: the loop keeps N jobs live, steps all
 of them together and replaces each finished job with the next one (closed
 loop), the way a perfectly efficient server would. Same engine settings as
-``serve``'s defaults (device ``auto``, dtype ``auto``, block schedule
-``8,16,20,24,32``); a job's text is split into segments as the server splits it,
+``serve``'s defaults (device ``auto``, dtype ``auto``, the engine's own block
+schedule); a job's text is split into segments as the server splits it,
 and a job's segments run one after another in its slot. ``--max-audio-s``
 caps each segment's tokens the way the harness's cancel caps server streams.
 """
@@ -135,7 +135,7 @@ class ClosedLoop:
 def main() -> int:
     """Run the scenarios and write the JSON."""
     parser = inproc.base_parser(__doc__ or "")
-    parser.add_argument("--block-schedule", default="8,16,20,24,32")
+    parser.add_argument("--block-schedule", default="", help="e.g. 8,16,32 (default: the engine's own)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8)")
@@ -145,6 +145,10 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.options import EngineOptions
+    from server.engine.flags import parse_block_schedule
+
+    default = EngineOptions().block_schedule
+    blocks = parse_block_schedule(args.block_schedule) if args.block_schedule else default
 
     began = time.perf_counter()
     engine = ChatTTSEngine.load(
@@ -153,7 +157,7 @@ def main() -> int:
         dtype=args.dtype,
         num_threads=args.threads or None,
         options=EngineOptions(
-            block_schedule=tuple(int(b) for b in args.block_schedule.split(",")),
+            block_schedule=blocks,
             quantize=args.quantize,
             compile_step=args.compile_step == "on",
         ),
@@ -175,7 +179,7 @@ def main() -> int:
         "load_s": load_s,
         "dtype": engine.info.extra.get("dtype"),
         "device": engine.info.extra.get("device"),
-        "block_schedule": args.block_schedule,
+        "block_schedule": ",".join(map(str, engine.block_schedule)),
         "quantize": args.quantize,
         "token_step": engine.info.extra.get("token_step"),
         "max_tokens": max_tokens,
