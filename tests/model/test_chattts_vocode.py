@@ -3,6 +3,12 @@
 Full-size Decoder and Vocos (random weights at trained-like layer scales): their receptive
 field (±52 tokens) is wider than any window here, so padding that leaked into a row would
 show at every sample of it, not only at its edge.
+
+In bfloat16 the bound is a signal-to-noise ratio instead: the CPU's bf16 convolution kernels
+depend on the batch's shape (oneDNN on AMX rounds a 7-row padded call differently from a
+one-row call: 7e-4 at most on a 0.024-rms signal, about 40 dB; other CPUs agree to 1e-7), so
+a batched row lies within bf16 rounding of its decode alone, never bit for bit. Leaked
+padding is far louder: 0.7-20 dB on these windows, in either dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +26,13 @@ from tests.model.helpers import full_size_decoder_and_vocos
 #: Window lengths as the engine makes them: first blocks (8 + hold-back), steady state
 #: (16 context + 32 + 4), a final short one, and one that is a multiple of the padding unit.
 LENGTHS = [12, 52, 3, 28, 40, 1, 16]
+#: A bf16 row's least signal-to-noise ratio against its bf16 decode alone: bf16 kernels that
+#: differ with the batch's shape give about 40 dB, leaked padding at most 20.4 dB.
+BF16_ROW_SNR_DB = 27.0
+
+
+def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref**2) / max(float(np.sum((got - ref) ** 2)), 1e-30)))
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +65,26 @@ def test_each_row_of_a_batched_decode_equals_its_decode_alone(
         assert np.abs(ref).max() > 1e-3  # the comparison is of real signals
 
 
-def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any]) -> None:
-    """With the per-row masks off, padding leaks into the shorter rows (so the test above can fail)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any], dtype: torch.dtype) -> None:
+    """With the per-row masks off, padding leaks into the shorter rows (so the tests of rows
+    kept apart can fail: float32's 1e-5 and bfloat16's signal-to-noise bound alike)."""
     from server.engine.chattts.vocode import BatchVocoder
 
     class Unmasked(BatchVocoder):
         def _mask_input(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             return None
 
-    decoder, vocos = modules
-    windows = _windows([10, 52])
+    decoder, vocos = copy.deepcopy(modules)  # the vocoder converts its modules in place
+    windows = _windows(LENGTHS)
     with torch.inference_mode():
-        ref = make_decode_fn(decoder, vocos)(windows[0])
-        leaky = Unmasked(decoder, vocos).decode(windows)[0]
-    assert np.abs(leaky - ref).max() > 1e-3
+        leaky = Unmasked(decoder, vocos, dtype=dtype).decode(windows)
+        alone = [make_decode_fn(decoder, vocos)(w) for w in windows]
+    longest = LENGTHS.index(max(LENGTHS))
+    for i, (n, ref, got) in enumerate(zip(LENGTHS, alone, leaky, strict=True)):
+        if i != longest:  # the longest row has no padding to leak
+            assert np.abs(got - ref).max() > 1e-3, f"window of {n} tokens"
+            assert _snr_db(ref, got) < BF16_ROW_SNR_DB, f"window of {n} tokens: {_snr_db(ref, got):.1f} dB"
 
 
 def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> None:
@@ -85,8 +104,9 @@ def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> 
 def test_a_bfloat16_vocoder_keeps_rows_apart_and_stays_near_the_float32_decode(
     modules: tuple[Any, Any],
 ) -> None:
-    """``--vocoder-dtype bfloat16`` (the CPU's auto with a bf16 GPT): rows as exact as in float32,
-    and every window within 30 dB of the float32 decode (38 dB measured), in both decode paths."""
+    """``--vocoder-dtype bfloat16`` (the CPU's auto with a bf16 GPT): every row within bf16
+    rounding of its bf16 decode alone (module docstring), and every window within 30 dB of
+    the float32 decode (38 dB measured), in both decode paths."""
     from server.engine.chattts.vocode import BatchVocoder
 
     decoder, vocos = copy.deepcopy(modules)  # the vocoder converts its modules in place
@@ -100,7 +120,7 @@ def test_a_bfloat16_vocoder_keeps_rows_apart_and_stays_near_the_float32_decode(
     assert next(vocos.head.parameters()).dtype == torch.float32  # the ISTFT head stays float32
     for n, ref, one, got in zip(LENGTHS, exact, alone, batched, strict=True):
         assert got.dtype == np.float32 and len(got) == len(ref)
-        assert np.abs(got - one).max() <= 1e-5, f"window of {n} tokens: {np.abs(got - one).max():.2e}"
+        assert _snr_db(one, got) >= BF16_ROW_SNR_DB, f"window of {n} tokens: {_snr_db(one, got):.1f} dB"
         snr = 10 * np.log10(np.sum(ref**2) / np.sum((one - ref) ** 2))
         assert 30.0 < snr < 80.0, f"window of {n} tokens: {snr:.1f} dB from float32"  # < 80: not float32
 

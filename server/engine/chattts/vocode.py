@@ -16,7 +16,9 @@ than 1 and the ISTFT's overlap-add, so:
   the window envelope, which is what a shorter ``torch.istft`` computes.
 
 ``tests/model/test_chattts_vocode.py`` holds every row within 1e-5 of its
-one-shot decode alone.
+one-shot decode alone in float32; in bfloat16 within bf16 rounding (27 dB or
+more; leaked padding gives 0.7-20 dB), since the CPU's bf16 kernels may round
+a batched call differently from a one-row call (oneDNN on AMX does).
 
 The Decoder and the Vocos backbone may run in bfloat16 (:func:`vocoder_dtype`): on a CPU
 with native bf16 a decode is 2-3.3x faster (63.5 against 22.8 ms for one 52-token window,
