@@ -22,6 +22,7 @@ import torch
 
 from server.engine.chattts.decode import make_decode_fn, samples_for_tokens
 from tests.model.helpers import full_size_decoder_and_vocos
+from tests.unit.audio_signals import snr_db
 
 #: Window lengths as the engine makes them: first blocks (8 + hold-back), steady state
 #: (16 context + 32 + 4), a final short one, and one that is a multiple of the padding unit.
@@ -29,10 +30,6 @@ LENGTHS = [12, 52, 3, 28, 40, 1, 16]
 #: A bf16 row's least signal-to-noise ratio against its bf16 decode alone: bf16 kernels that
 #: differ with the batch's shape give about 40 dB, leaked padding at most 20.4 dB.
 BF16_ROW_SNR_DB = 27.0
-
-
-def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref**2) / max(float(np.sum((got - ref) ** 2)), 1e-30)))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +81,7 @@ def test_the_masks_are_what_keeps_rows_apart(modules: tuple[Any, Any], dtype: to
     for i, (n, ref, got) in enumerate(zip(LENGTHS, alone, leaky, strict=True)):
         if i != longest:  # the longest row has no padding to leak
             assert np.abs(got - ref).max() > 1e-3, f"window of {n} tokens"
-            assert _snr_db(ref, got) < BF16_ROW_SNR_DB, f"window of {n} tokens: {_snr_db(ref, got):.1f} dB"
+            assert snr_db(ref, got) < BF16_ROW_SNR_DB, f"window of {n} tokens: {snr_db(ref, got):.1f} dB"
 
 
 def test_hooks_do_nothing_outside_a_batched_decode(modules: tuple[Any, Any]) -> None:
@@ -120,8 +117,8 @@ def test_a_bfloat16_vocoder_keeps_rows_apart_and_stays_near_the_float32_decode(
     assert next(vocos.head.parameters()).dtype == torch.float32  # the ISTFT head stays float32
     for n, ref, one, got in zip(LENGTHS, exact, alone, batched, strict=True):
         assert got.dtype == np.float32 and len(got) == len(ref)
-        assert _snr_db(one, got) >= BF16_ROW_SNR_DB, f"window of {n} tokens: {_snr_db(one, got):.1f} dB"
-        snr = 10 * np.log10(np.sum(ref**2) / np.sum((one - ref) ** 2))
+        assert snr_db(one, got) >= BF16_ROW_SNR_DB, f"window of {n} tokens: {snr_db(one, got):.1f} dB"
+        snr = snr_db(ref, one)
         assert 30.0 < snr < 80.0, f"window of {n} tokens: {snr:.1f} dB from float32"  # < 80: not float32
 
 
