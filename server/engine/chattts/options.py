@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 #: Model tokens a second of recording's transcript may take when no limit is given.
 TRANSCRIPT_TOKENS_PER_SECOND = 20
-#: ``quantize``'s values: the GPT's projections as loaded, or weight-only int8.
-QUANTIZE_CHOICES = ("none", "int8")
+#: ``quantize``'s values: the GPT's projections as loaded, weight-only int8, or int8 weights and
+#: per-row int8 activations (:mod:`server.engine.chattts.step.w8a8`, the CPU only).
+QUANTIZE_CHOICES = ("none", "int8", "w8a8")
 #: ``vocoder_dtype``'s values (:func:`server.engine.chattts.vocode.vocoder_dtype`).
 VOCODER_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -71,7 +72,9 @@ class EngineOptions:
 
     quantize: str = "none"
     """``"int8"``: the GPT's projections as weight-only int8 (half the bytes a bf16 step reads;
-    other tokens than without it); ``"none"``: as loaded in ``dtype``."""
+    other tokens than without it); ``"w8a8"``: int8 weights times int8 activations, each row on its
+    own scale (the CPU only, eager only: the fastest step on a small CPU; other tokens again);
+    ``"none"``: as loaded in ``dtype``."""
 
     vocoder_dtype: str = "auto"
     """The Decoder's and Vocos backbone's precision: ``"auto"``, bfloat16 when the GPT runs in
@@ -104,6 +107,8 @@ class EngineOptions:
             raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")
         if self.quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize {self.quantize!r}: must be one of {', '.join(QUANTIZE_CHOICES)}")
+        if self.quantize == "w8a8" and self.compile_step:
+            raise ValueError("quantize 'w8a8' steps eagerly: it cannot be combined with compile_step")
         if self.vocoder_dtype not in VOCODER_DTYPE_CHOICES:
             choices = ", ".join(VOCODER_DTYPE_CHOICES)
             raise ValueError(f"vocoder_dtype {self.vocoder_dtype!r}: must be one of {choices}")

@@ -27,11 +27,14 @@ ChatTTS).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
+from server.engine.chattts.step.w8a8 import W8A8Linear, quantized_engine_available
 
 #: Above this many rows a product dequantizes the int8 weight instead of calling
 #: ``_weight_int8pack_mm``, whose cost grows with the rows (a matrix-vector kernel: 4x a
@@ -135,12 +138,24 @@ def prepare_projections(
     packs bf16 weights itself and cannot trace :class:`PackedLinear`: they stay ``nn.Linear``.
 
     Returns:
-        ``"int8"`` (:class:`Int8Linear`), ``"onednn-bf16"`` (:class:`PackedLinear`, bf16 on a CPU
-        whose PyTorch has oneDNN) or ``"dense"`` (transformers' own ``nn.Linear``).
+        ``"int8"`` (:class:`Int8Linear`), ``"w8a8"`` (:class:`~.w8a8.W8A8Linear`), ``"onednn-bf16"``
+        (:class:`PackedLinear`, bf16 on a CPU whose PyTorch has oneDNN) or ``"dense"``
+        (transformers' own ``nn.Linear``).
+
+    Raises:
+        ValueError: ``w8a8`` off the CPU, on a PyTorch without FBGEMM, or with ``compiled``.
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; not {quantize!r}")
     layers = list(llama.layers)  # type: ignore[arg-type]
+    if quantize == "w8a8":
+        if device.type != "cpu" or not quantized_engine_available():
+            raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
+        if compiled:
+            raise ValueError("--quantize w8a8 steps eagerly: it cannot be combined with --compile-step on")
+        _replace(layers, W8A8Linear)  # from the loaded (float32) weights, before the cast
+        llama.to(dtype=dtype)
+        return "w8a8"
     if quantize == "int8":  # from the loaded (float32) weights, before the cast
         _replace(layers, Int8Linear)
         llama.to(dtype=dtype)
@@ -153,7 +168,7 @@ def prepare_projections(
     return "dense"
 
 
-def _replace(layers: list[nn.Module], make: type[PackedLinear] | type[Int8Linear]) -> None:
+def _replace(layers: list[nn.Module], make: Callable[[torch.Tensor], nn.Module]) -> None:
     """Every layer's seven projections replaced by ``make(weight)``; the dense weights are freed."""
     for layer in layers:
         for owner_name, name in PROJECTIONS:

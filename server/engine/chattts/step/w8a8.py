@@ -1,0 +1,102 @@
+"""``--quantize w8a8``: int8 weights and int8 activations, each activation row on its own scale (CPU).
+
+A token step on a small CPU is bound by reading the GPT's weights, and weight-only int8
+(:class:`~server.engine.chattts.step.linear.Int8Linear`) halves the bytes but not the time:
+``_weight_int8pack_mm`` converts every weight to floating point before it multiplies, and its
+cost grows with the rows (on this project's 2-core EPYC, the 140 products took 13 ms at batch 1
+and 39 ms at batch 8, against 14 and 16 ms in prepacked bf16). FBGEMM's dynamically quantized
+linear (``quantized::linear_dynamic``) multiplies int8 by int8 with integer instructions (VNNI
+where the CPU has it) and reads the int8 weight once for all rows: 7.6 ms at batch 1 and 10.5 ms
+at batch 8 on the same machine (``bench/results/cpu_realtime.md``).
+
+Its one flaw for a server: it quantizes its whole input with one scale, so a row's result
+depends on the other rows of the batch (a loud row leaves a quiet one a few levels, up to 100 %
+error), and a stream's tokens would depend on who else is speaking. :class:`W8A8Linear`
+removes that: each row is divided by its own largest magnitude (so every row spans [-1, 1]),
+one anchor row holding exactly +1 and -1 is appended (so the tensor's range, and with it the
+quantization grid, is [-1, 1] whatever the batch holds), and each output row is multiplied back
+by its row's magnitude. The products are exact integer sums, so a row's output is bit-for-bit
+the same alone or in any batch (a test holds it to that), and its error is per-row int8
+rounding (about 1 % of the output's norm, against 0.5 % for weight-only int8).
+
+It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "The CPU step", says
+what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM
+(x86-64); the server refuses it elsewhere at start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def quantized_engine_available() -> bool:
+    """Whether this PyTorch can run FBGEMM's dynamic int8 linear (x86-64 builds can)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_dynamic"
+    )
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """Whether the CPU multiplies u8·s8 into int32 without an int16 step (AVX512-VNNI or AVX-VNNI).
+
+    Without it FBGEMM's u8·s8 instructions add pairs of products in 16 bits, which saturates
+    unless activations use 7 bits (``reduce_range``); with it the full 8 bits are safe.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:  # not Linux: the safe 7 bits
+        return False
+    return " avx512_vnni" in flags or " avx_vnni" in flags
+
+
+def _per_channel_int8(weight: torch.Tensor) -> torch.Tensor:
+    """The symmetric per-output-channel qint8 tensor FBGEMM packs (the same rounding as ``quantize_int8``)."""
+    w = weight.detach().float().cpu()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # PyTorch marks quantized tensors as deprecated (pytorch#184982); FBGEMM's packed linear still
+        # takes one as its input, and quantized_engine_available() is checked before this runs.
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.quantize_per_channel(w, scale.double(), zero_points, 0, torch.qint8)
+
+
+class W8A8Linear(nn.Module):
+    """``nn.Linear`` without bias as FBGEMM's int8 × int8 product, each input row quantized on its own scale.
+
+    Args:
+        weight: ``(out, in)`` weights (any float dtype; quantized per output channel).
+        reduce_range: quantize activations to 7 bits (default: unless the CPU has VNNI).
+    """
+
+    def __init__(self, weight: torch.Tensor, *, reduce_range: bool | None = None) -> None:
+        super().__init__()
+        if not quantized_engine_available():
+            raise RuntimeError("this PyTorch has no FBGEMM dynamic int8 linear (x86-64 CPU builds do)")
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
+        # A plain attribute, not a buffer: FBGEMM's packed weight is an opaque object.
+        self.packed = torch.ops.quantized.linear_prepack(_per_channel_int8(weight), None)
+        anchor = torch.zeros(1, self.in_features)
+        anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+        self._anchor = anchor  # fixes the input's range at [-1, 1]: the grid no longer depends on the batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for ``(..., in)`` inputs, in ``x``'s dtype."""
+        flat = x.reshape(-1, self.in_features).float()
+        magnitude = flat.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        rows = torch.cat([flat / magnitude, self._anchor])
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)
+        return (out[:-1] * magnitude).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        """What ``print(module)`` shows."""
+        bits = 7 if self.reduce_range else 8
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a{bits} per-row"

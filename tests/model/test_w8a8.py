@@ -1,0 +1,157 @@
+"""``--quantize w8a8`` (issue #23): int8 weights times int8 activations, each row on its own scale.
+
+* a row's output is bit-for-bit the same alone or beside any other rows (the anchor row and
+  the per-row magnitudes are what make it so: FBGEMM alone quantizes the whole batch on one
+  grid, and a loud row then erases a quiet one);
+* every row stays within int8 rounding of the float product, however loud its neighbours;
+* through the engine, a stream's tokens do not depend on who else is in the batch;
+* the server loads it, streams, and says so in ``hello`` and ``/metrics``; it is refused where
+  it cannot run (off the CPU, with ``--compile-step on``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from server.app import App
+from server.engine.chattts.options import EngineOptions
+from server.engine.chattts.step import linear
+from server.engine.chattts.step.w8a8 import W8A8Linear, quantized_engine_available
+from server.engine_api import SequenceRequest, SynthesisParams
+from tests.model.helpers import TEST_DEVICE
+from tests.wsclient import collect, open_client, start
+
+pytestmark = pytest.mark.skipif(
+    TEST_DEVICE != "cpu" or not quantized_engine_available(), reason="w8a8 is FBGEMM's, on an x86-64 CPU"
+)
+
+#: Rows of very different loudness, one with an outlier, one all positive, one all negative:
+#: on one shared grid the quiet rows would round to almost nothing.
+LOUDNESS = (0.01, 1.0, 100.0, 3.0, 0.5, 7.0)
+
+
+def _rows(width: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    x = torch.randn(len(LOUDNESS), width) * torch.tensor(LOUDNESS).unsqueeze(1)
+    x[3, 5] = 80.0  # an outlier channel
+    x[4] = x[4].abs()  # a row whose range is [0, max]: its own grid would differ without the anchor
+    x[5] = -x[5].abs()
+    return x
+
+
+def _weight(out: int, width: int) -> torch.Tensor:
+    torch.manual_seed(2)
+    return torch.randn(out, width) * torch.linspace(0.002, 0.05, out).unsqueeze(1)
+
+
+@pytest.mark.parametrize("reduce_range", [True, False])
+def test_a_row_is_the_same_alone_or_in_any_batch(reduce_range: bool) -> None:
+    module = W8A8Linear(_weight(96, 64), reduce_range=reduce_range)
+    x = _rows(64)
+    together = module(x)
+    for i in range(len(x)):
+        assert torch.equal(module(x[i : i + 1]), together[i : i + 1]), f"row {i} depends on its batch"
+    assert torch.equal(module(x[[2, 0]])[1], together[0])  # a quiet row beside the loudest, in any order
+    many = torch.cat([x, torch.randn(300, 64) * 50])  # a prefill's many rows
+    assert torch.equal(module(many)[: len(x)], together)
+
+
+@pytest.mark.parametrize("reduce_range", [True, False])
+def test_every_row_stays_within_int8_rounding_of_the_float_product(reduce_range: bool) -> None:
+    weight = _weight(96, 64)
+    module = W8A8Linear(weight, reduce_range=reduce_range)
+    x = _rows(64)
+    exact = x @ weight.T
+    error = (module(x) - exact).norm(dim=1) / exact.norm(dim=1)
+    bound = 0.05 if reduce_range else 0.03  # 7 or 8 bits of activation, 8 bits of weight
+    assert torch.all(error < bound), error
+    assert module(x.view(2, 3, 64)).shape == (2, 3, 96)
+    bf16 = module(x.to(torch.bfloat16))  # the serving dtype: the same bound, plus bf16's own rounding
+    assert bf16.dtype == torch.bfloat16
+    assert torch.all((bf16.float() - exact).norm(dim=1) / exact.norm(dim=1) < bound + 0.01)
+
+
+def test_one_grid_for_the_whole_batch_is_what_it_replaces() -> None:
+    """FBGEMM's own per-tensor grid: the quiet row's error is the reason for the anchor."""
+    weight = _weight(96, 64)
+    module = W8A8Linear(weight, reduce_range=False)
+    x = _rows(64)
+    shared = torch.ops.quantized.linear_dynamic(x, module.packed, False)
+    exact = x @ weight.T
+    quiet_error = float((shared[0] - exact[0]).norm() / exact[0].norm())
+    assert quiet_error > 0.5  # the 0.01 row beside the 100 row: mostly rounded away
+
+
+def _near_greedy(seq_id: int, text: str, seed: int) -> SequenceRequest:
+    params = SynthesisParams(seed=seed, temperature=1e-12)
+    return SequenceRequest(seq_id=seq_id, text=text, params=params, max_tokens=40)
+
+
+def _codes(engine: Any, requests: list[SequenceRequest]) -> dict[int, torch.Tensor]:
+    seen: dict[int, list[torch.Tensor]] = {}
+    engine.token_tap = lambda sid, codes, _h: seen.setdefault(sid, []).append(codes)
+    try:
+        for r in requests:
+            engine.add(r)
+        live = [r.seq_id for r in requests]
+        for _ in range(300):
+            if not live:
+                break
+            for result in engine.step(live):
+                if result.finished:
+                    live.remove(result.seq_id)
+        assert not live
+    finally:
+        engine.token_tap = None
+    return {sid: torch.cat(parts) for sid, parts in seen.items()}
+
+
+def test_a_streams_tokens_do_not_depend_on_the_batch(tiny_model_dir: Path) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    engine = ChatTTSEngine.load(
+        model_dir=tiny_model_dir,
+        device=TEST_DEVICE,
+        dtype="float32",
+        options=EngineOptions(max_batch=4, quantize="w8a8"),
+    )
+    try:
+        assert engine.info.extra["projections"] == "w8a8"
+        assert isinstance(engine._llama.layers[0].mlp.down_proj, W8A8Linear)
+        alone = _codes(engine, [_near_greedy(0, "A sentence spoken alone first.", 7)])[0]
+        others = [_near_greedy(i, f"Another, much louder speaker number {i}!", 50 + i) for i in (2, 3, 4)]
+        together = _codes(engine, [_near_greedy(1, "A sentence spoken alone first.", 7), *others])
+        assert len(alone) > 8
+        assert torch.equal(together[1], alone)
+    finally:
+        engine.close()
+
+
+@pytest.mark.loopback
+async def test_w8a8_serves_a_stream_and_says_so(make_model_app: Any) -> None:
+    app: App = await make_model_app("--quantize", "w8a8")
+    ws, hello = await open_client(app.port)
+    assert hello["compute"]["quantize"] == "w8a8" and hello["compute"]["token_step"] == "eager"
+    metrics = app.metrics.render().decode()
+    assert 'quantize="w8a8"' in metrics and 'projections="w8a8"' in metrics
+    await start(ws, id="w", text="Eight bit weights and activations.", seed=5)
+    log = (await collect(ws, {"w"}))["w"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete" and log.done["samples"] > 0
+
+
+def test_w8a8_is_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="cannot be combined with compile_step"):
+        EngineOptions(quantize="w8a8", compile_step=True)
+    llama = torch.nn.Module()
+    llama.layers = torch.nn.ModuleList()
+    with pytest.raises(ValueError, match="x86-64 CPU only"):
+        linear.prepare_projections(llama, dtype=torch.float32, device=torch.device("cuda"), quantize="w8a8")
+    with pytest.raises(ValueError, match="cannot be combined with --compile-step on"):
+        linear.prepare_projections(
+            llama, dtype=torch.float32, device=torch.device("cpu"), quantize="w8a8", compiled=True
+        )
