@@ -9,17 +9,17 @@
 
 1. **step** (:mod:`bench.cpu_step`, one child process): the memory floor, the GPT's 140
    products in each form, transformers' own ``LlamaModel``, and the engine's token step
-   with its projections as before #23 (``dense``), as now (``onednn-bf16``) and with
-   ``--quantize int8``, at batch 1, 4 and 8, interleaved rounds, each split by part and
-   profiled op by op;
+   with its projections as before #23 (``dense``), as now (``onednn-bf16``), with
+   ``--quantize int8`` and with ``--quantize w8a8``, at batch 1, 4 and 8, interleaved
+   rounds, each split by part and profiled op by op;
 2. **servers**: ``serve`` from ``--before`` (the code before the change, default flags),
-   from this tree (default flags), with ``--quantize int8``, with ``--compile-step on``
-   and with both, each
+   from this tree (default flags), with ``--quantize int8``, with ``--quantize w8a8``,
+   with ``--compile-step on`` and with it and int8, each
    measured by the harness of ``python -m bench`` in closed loops at 1, 4 and 8 streams
    (pcm16, medium and long texts so that streams last several seconds, cut after
    ``--max-audio-s``); ``--rounds`` > 1 repeats the servers with their order flipped;
 3. **in-process**: ChatTTS's own ``infer()`` (stock float32) and the engine stepping in
-   this process (``bench.engine_direct``: default, int8 and compiled) at the same levels.
+   this process (``bench.engine_direct``: default, int8, w8a8 and compiled) at the same levels.
 
 Every result records the 1-minute load average after it (the machine is shared). Writes
 ``OUT.json`` (everything, every stream) and ``OUT.md`` (:mod:`bench.cpu_report`) after each
@@ -51,6 +51,7 @@ SYSTEMS: dict[str, tuple[list[str], str]] = {
     "before": ([], "before"),
     "after": ([], "after"),
     "after-int8": (["--quantize", "int8"], "after"),
+    "after-w8a8": (["--quantize", "w8a8"], "after"),
     "after-compiled": (["--compile-step", "on"], "after"),  # --compile-step: minutes of warm-up
     "after-compiled-int8": (["--compile-step", "on", "--quantize", "int8"], "after"),
 }
@@ -58,6 +59,7 @@ SYSTEMS: dict[str, tuple[list[str], str]] = {
 ENGINES: dict[str, list[str]] = {
     "engine-direct": [],
     "engine-direct-int8": ["--quantize", "int8"],
+    "engine-direct-w8a8": ["--quantize", "w8a8"],
     "engine-direct-compiled": ["--compile-step", "on"],
     "engine-direct-compiled-int8": ["--compile-step", "on", "--quantize", "int8"],
 }

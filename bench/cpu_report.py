@@ -15,6 +15,7 @@ LISTENER_MS = 300.0
 SERVER_ENGINE = {
     "after": "engine-direct",
     "after-int8": "engine-direct-int8",
+    "after-w8a8": "engine-direct-w8a8",
     "after-compiled": "engine-direct-compiled",
     "after-compiled-int8": "engine-direct-compiled-int8",
 }
@@ -25,12 +26,16 @@ STEP_ROWS = (
     ("products-dense", "the 140 projections one by one, bf16 `F.linear` (as before #23)"),
     ("products-onednn-bf16", "the 140 projections, oneDNN-prepacked bf16"),
     ("products-int8", "the 140 projections, weight-only int8"),
+    ("products-w8a8", "the 140 projections, int8 weights × per-row int8 activations (FBGEMM)"),
     ("transformers", "transformers' `LlamaModel`, eager, its own cache"),
     ("transformers-compiled", "the same, `torch.compile` (default mode)"),
     ("step-dense", "our whole token step, before #23 (dense bf16 projections)"),
     ("step-onednn-bf16", "our whole token step, after (default: prepacked bf16)"),
     ("step-int8", "our whole token step, `--quantize int8`"),
+    ("step-w8a8", "our whole token step, `--quantize w8a8`"),
 )
+#: The projection forms :mod:`bench.cpu_step` measures the step with.
+STEP_FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
 SPLIT_COLUMNS = ("projections", "attention", "kv_write", "llama_rest", "step_rest", "total")
 
 
@@ -213,13 +218,13 @@ def _step_tables(step: dict[str, Any]) -> list[str]:
         "| total |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for form in ("dense", "onednn-bf16", "int8"):
+    for form in STEP_FORMS:
         for b in batches:
             split = step["splits"].get(f"step-{form}@{b}")
             if split:
                 lines.append(f"| {form} | {b} | " + " | ".join(_f(split[c]) for c in SPLIT_COLUMNS) + " |")
     lines += ["", "## Top operators of one step (`torch.profiler`, self CPU ms, calls)", ""]
-    for form in ("dense", "onednn-bf16", "int8"):
+    for form in STEP_FORMS:
         for b in (batches[0], batches[-1]):
             ops = step["profiles"].get(f"step-{form}@{b}", [])[:6]
             text = "; ".join(f"`{o['op']}` {o['self_ms']:.1f} ({o['calls']})" for o in ops)
@@ -240,8 +245,9 @@ def _server_table(result: dict[str, Any]) -> list[str]:
         f"| underrun streams @{LISTENER_MS:g} ms (all, ≥ 4 s) | TTFA p50 / p90 (s) | errors | load after |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = ["before", "after", "after-int8", "after-compiled", "after-compiled-int8", "chattts-infer"]
-    order += ["engine-direct", "engine-direct-int8", "engine-direct-compiled"]
+    order = ["before", "after", "after-int8", "after-w8a8", "after-compiled", "after-compiled-int8"]
+    order += ["chattts-infer", "engine-direct", "engine-direct-int8", "engine-direct-w8a8"]
+    order += ["engine-direct-compiled"]
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
             f"| {system} c{c} | {x['streams']} | {x['long']} | "

@@ -10,11 +10,13 @@ ever adds time, and every round is kept with the load average after it):
   ChatTTS), plain and oneDNN-packed, the faster one: what reading the weights once costs;
 * ``products-<form>``: the GPT's 140 projections one by one, each form the step can use
   (``dense``: ``F.linear`` on bf16, what the step ran before issue #23; ``onednn-bf16``:
-  prepacked; ``int8``: weight-only int8);
+  prepacked; ``int8``: weight-only int8; ``w8a8``: int8 weights times per-row int8
+  activations, FBGEMM);
 * ``transformers``: transformers' own ``LlamaModel`` (same config and weights, dense bf16,
   its own ``DynamicCache`` holding ``length - 1`` positions, SDPA): one token;
 * ``step-<form>``: the engine's whole token step (heads, sampling, code embedding, the
-  Llama with our attention and KV slots) with the projections in that form, split into
+  Llama with our attention and KV slots, every row's slot holding ``length - 1`` random
+  positions as transformers' cache does) with the projections in that form, split into
   projections, attention, KV writes, the rest of the Llama (norms, rotary, residuals, MLP
   activation) and the rest of the step (heads, sampling, bookkeeping);
 * with ``--compile``: ``transformers-compiled`` (``torch.compile``, default mode) and its
@@ -46,8 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear
+from server.engine.chattts.step.w8a8 import W8A8Linear
 
-FORMS = ("dense", "onednn-bf16", "int8")
+FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
 SPLIT = ("projections", "attention", "kv_write", "llama_rest", "step_rest")
 
 
@@ -79,6 +82,7 @@ class Forms:
             "dense": dense,
             "onednn-bf16": [[PackedLinear(m.weight) for m in ms] for ms in dense],
             "int8": [[Int8Linear(w).to(dtype=torch.bfloat16) for w in ws] for ws in float_weights],
+            "w8a8": [[W8A8Linear(w) for w in ws] for ws in float_weights],
         }
 
     def use(self, form: str) -> None:
@@ -98,6 +102,25 @@ class Forms:
                 module(x)
 
         return run
+
+
+def fill_slots(engine: Any, rows: int, length: int) -> None:
+    """Give slots ``[0, rows)`` ``length - 1`` cached positions of random keys and values, as a live row has.
+
+    What transformers' row holds too. Without it the step would attend over pages never written,
+    which all read as the one shared page of zeros, sitting in the cache: the attention's real
+    cost (reading every row's keys and values from memory, about as many bytes as the weights at
+    batch 8) would not be measured.
+    """
+    kv, state = engine._batch.kv, engine._batch.state
+    generator = torch.Generator().manual_seed(0)
+    for keys, values in zip(kv.keys, kv.values, strict=True):
+        for buffer in (keys, values):
+            part = buffer[:rows, :, : length - 1]
+            part.copy_(torch.randn(part.shape, generator=generator, dtype=part.dtype))
+    state.lengths[:rows] = length - 1
+    for slot in range(rows):
+        kv.cover(slot, length)
 
 
 def _dense(weight: torch.Tensor) -> nn.Linear:
@@ -259,6 +282,7 @@ def compiled_step(
     batch_runner = engine._batch
     timing: dict[str, Any] = {}
     with torch.inference_mode():
+        fill_slots(engine, max(batches), length)
         began = time.perf_counter()
         batch_runner.prepare_runner([(b, length) for b in batches])
         timing["compile_s"] = time.perf_counter() - began
@@ -318,6 +342,7 @@ def main() -> int:
     loads: list[float] = []
     compiled: dict[str, Any] = {}
     with torch.inference_mode():
+        fill_slots(engine, max(batches), length)
         if args.compile:
             began = time.perf_counter()
             model = torch.compile(transformers.model)
@@ -367,6 +392,7 @@ def main() -> int:
     result = {
         "weights": weights,
         "length": length,
+        "slot_positions": length - 1,  # random keys and values in every measured row's slot (fill_slots)
         "batches": batches,
         "threads": args.threads,
         "rows": {

@@ -1,4 +1,4 @@
-"""What ``--quantize int8`` costs in fidelity: code agreement with float32 over the same prompts.
+"""What ``--quantize int8`` and ``w8a8`` cost in fidelity: code agreement with float32 over the same prompts.
 
 Usage::
 
@@ -41,6 +41,8 @@ CONFIGS = {
     "bfloat16": ("bfloat16", "none"),
     "bfloat16+int8": ("bfloat16", "int8"),
     "float32+int8": ("float32", "int8"),
+    "bfloat16+w8a8": ("bfloat16", "w8a8"),
+    "float32+w8a8": ("float32", "w8a8"),
 }
 
 
@@ -162,7 +164,7 @@ def main() -> None:
 def render(report: dict[str, Any]) -> str:
     """The markdown table."""
     lines = [
-        *report_header("`--quantize int8`: code agreement with float32", report),
+        *report_header("`--quantize int8` and `w8a8`: code agreement with float32", report),
         f"Model: {report['model']}; {report['cases']} seeded requests ({report['sampling']}), "
         f"{report['tokens']} tokens each (EOS banned).",
         "",

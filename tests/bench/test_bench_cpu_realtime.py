@@ -32,10 +32,18 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_name("cpu.json").read_text())
     rows = result["step"]["rows"]
-    for name in ("floor-plain", "products-dense", "products-onednn-bf16", "products-int8", "transformers"):
+    for name in (
+        "floor-plain",
+        "products-dense",
+        "products-onednn-bf16",
+        "products-int8",
+        "products-w8a8",
+        "transformers",
+    ):
         assert {f"{name}@1", f"{name}@2"} <= set(rows)
         assert rows[f"{name}@1"]["best_cpu_ms"] > 0
-    for form in ("dense", "onednn-bf16", "int8"):
+    assert result["step"]["slot_positions"] == result["step"]["length"] - 1  # live rows, as transformers'
+    for form in ("dense", "onednn-bf16", "int8", "w8a8"):
         split = result["step"]["splits"][f"step-{form}@2"]
         assert split["projections"] > 0 and split["total"] >= split["projections"]
         assert result["step"]["profiles"][f"step-{form}@1"]
