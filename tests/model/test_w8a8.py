@@ -4,6 +4,8 @@
   the per-row magnitudes are what make it so: FBGEMM alone quantizes the whole batch on one
   grid, and a loud row then erases a quiet one);
 * every row stays within int8 rounding of the float product, however loud its neighbours;
+* projections of one input (q/k/v, gate/up) run as one product, and each member's part is
+  bit-for-bit its own product; the group lets go of its parts once every member took its own;
 * through the engine, a stream's tokens do not depend on who else is in the batch;
 * the server loads it, streams, and says so in ``hello`` and ``/metrics``; it is refused where
   it cannot run (off the CPU, with ``--compile-step on``).
@@ -20,7 +22,13 @@ import torch
 from server.app import App
 from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.step import linear
-from server.engine.chattts.step.w8a8 import W8A8Linear, quantized_engine_available
+from server.engine.chattts.step.w8a8 import (
+    GroupMember,
+    W8A8Group,
+    W8A8Linear,
+    grouped_modules,
+    quantized_engine_available,
+)
 from server.engine_api import SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE
 from tests.wsclient import collect, open_client, start
@@ -86,6 +94,33 @@ def test_one_grid_for_the_whole_batch_is_what_it_replaces() -> None:
     assert quiet_error > 0.5  # the 0.01 row beside the 100 row: mostly rounded away
 
 
+def test_a_group_gives_each_member_exactly_its_own_product() -> None:
+    weights = [_weight(96, 64), _weight(32, 64) * 3, _weight(48, 64) / 5]
+    group = W8A8Group(weights, reduce_range=False)
+    members = [GroupMember(group, i) for i in range(3)]
+    alone = [W8A8Linear(w, reduce_range=False) for w in weights]
+    x = _rows(64)
+    parts = [m(x) for m in members]
+    assert group._input is None  # every member took its part: nothing held until the next step
+    for part, single in zip(parts, alone, strict=True):
+        assert torch.equal(part, single(x))
+    y = x * 2  # a new input is a new product, whichever member asks first
+    assert torch.equal(members[2](y), alone[2](y)) and torch.equal(members[0](y), alone[0](y))
+    assert torch.equal(members[0](y), alone[0](y))  # asked twice: computed again, not a stale part
+    x2 = x.clone()
+    members[0](x2)
+    x2.mul_(3)  # changed in place after the group computed its parts
+    assert torch.equal(members[1](x2), alone[1](x2))
+
+
+def test_a_layer_is_four_products() -> None:
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    modules = grouped_modules({n: _weight(64, 64) for n in names})
+    groups = {id(m.group) for m in modules.values() if isinstance(m, GroupMember)}
+    assert len(groups) == 2 and isinstance(modules["o_proj"], W8A8Linear)
+    assert modules["q_proj"].group is modules["v_proj"].group is not modules["up_proj"].group
+
+
 def _near_greedy(seq_id: int, text: str, seed: int) -> SequenceRequest:
     params = SynthesisParams(seed=seed, temperature=1e-12)
     return SequenceRequest(seq_id=seq_id, text=text, params=params, max_tokens=40)
@@ -122,6 +157,7 @@ def test_a_streams_tokens_do_not_depend_on_the_batch(tiny_model_dir: Path) -> No
     try:
         assert engine.info.extra["projections"] == "w8a8"
         assert isinstance(engine._llama.layers[0].mlp.down_proj, W8A8Linear)
+        assert isinstance(engine._llama.layers[0].self_attn.k_proj, GroupMember)
         alone = _codes(engine, [_near_greedy(0, "A sentence spoken alone first.", 7)])[0]
         others = [_near_greedy(i, f"Another, much louder speaker number {i}!", 50 + i) for i in (2, 3, 4)]
         together = _codes(engine, [_near_greedy(1, "A sentence spoken alone first.", 7), *others])

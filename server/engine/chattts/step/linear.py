@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
-from server.engine.chattts.step.w8a8 import W8A8Linear, quantized_engine_available
+from server.engine.chattts.step.w8a8 import quantize_layer, quantized_engine_available
 
 #: Above this many rows a product dequantizes the int8 weight instead of calling
 #: ``_weight_int8pack_mm``, whose cost grows with the rows (a matrix-vector kernel: 4x a
@@ -139,7 +139,7 @@ def prepare_projections(
     packs bf16 weights itself and cannot trace :class:`PackedLinear`: they stay ``nn.Linear``.
 
     Returns:
-        ``"int8"`` (:class:`Int8Linear`), ``"w8a8"`` (:class:`~.w8a8.W8A8Linear`), ``"onednn-bf16"``
+        ``"int8"`` (:class:`Int8Linear`), ``"w8a8"`` (:func:`~.w8a8.quantize_layer`), ``"onednn-bf16"``
         (:class:`PackedLinear`, bf16 on a CPU whose PyTorch has oneDNN) or ``"dense"``
         (transformers' own ``nn.Linear``).
 
@@ -154,7 +154,8 @@ def prepare_projections(
             raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
         if compiled:
             raise ValueError("--quantize w8a8 steps eagerly: it cannot be combined with --compile-step on")
-        _replace(layers, W8A8Linear)  # from the loaded (float32) weights, before the cast
+        for layer in layers:  # from the loaded (float32) weights, before the cast
+            quantize_layer(layer)
         llama.to(dtype=dtype)
         return "w8a8"
     if quantize == "int8":  # from the loaded (float32) weights, before the cast

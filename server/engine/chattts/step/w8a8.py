@@ -19,6 +19,15 @@ by its row's magnitude. The products are exact integer sums, so a row's output i
 the same alone or in any batch (a test holds it to that), and its error is per-row int8
 rounding (about 1 % of the output's norm, against 0.5 % for weight-only int8).
 
+Each product also costs about ten small operators around the FBGEMM call (the row
+magnitudes, the anchor, the conversions), which at batch 1 took as long as the product
+itself. So the projections that read one input are one product: q, k and v of a layer are
+one :class:`W8A8Group`, and so are gate and up (4 products a layer instead of 7). Their
+modules keep transformers' names and shapes (:class:`GroupMember`), so the prefill, the
+refinement and the step still call ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)``: the first
+call computes all three, the others take their part of it. Every output channel is quantized
+and summed exactly as it would be alone, so the parts are bit-for-bit the separate products.
+
 It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "The CPU step", says
 what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM
 (x86-64); the server refuses it elsewhere at start-up.
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -100,3 +110,98 @@ class W8A8Linear(nn.Module):
         """What ``print(module)`` shows."""
         bits = 7 if self.reduce_range else 8
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a{bits} per-row"
+
+
+class W8A8Group:
+    """Projections of one input as one :class:`W8A8Linear` over their stacked weights.
+
+    :meth:`output` computes the whole product on the first call for an input and keeps its
+    parts until each member has taken its own (then lets go of them and of the input, so a
+    prefill's large outputs are not held until the next step). The input is held by reference
+    while the parts are kept, so its identity cannot be reused by another tensor, and its
+    version counter catches an in-place change (an inference-mode tensor has none: there the
+    callers' contract holds, transformers' attention and MLP and the token step pass the same
+    unchanged input to every member).
+
+    Args:
+        weights: the members' ``(out_i, in)`` weights, in member order.
+        reduce_range: as :class:`W8A8Linear`'s.
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor], *, reduce_range: bool | None = None) -> None:
+        self.sizes = [int(w.shape[0]) for w in weights]
+        self.product = W8A8Linear(torch.cat([w.detach() for w in weights]), reduce_range=reduce_range)
+        self._input: torch.Tensor | None = None
+        self._version = -1
+        self._parts: list[torch.Tensor | None] = [None] * len(self.sizes)
+
+    def output(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s product with ``x`` (computed with the others' if ``x`` is new)."""
+        part = self._parts[member]
+        if part is None or x is not self._input or _version(x) != self._version:
+            self._parts = list(self.product(x).split(self.sizes, dim=-1))
+            self._input, self._version = x, _version(x)
+            part = self._parts[member]
+        self._parts[member] = None
+        if all(p is None for p in self._parts):
+            self._input = None
+        assert part is not None
+        return part
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s in-place version counter, or -1 for an inference-mode tensor (which has none)."""
+    return -1 if x.is_inference() else int(x._version)
+
+
+class GroupMember(nn.Module):
+    """One projection of a :class:`W8A8Group`, where transformers' layer has its ``nn.Linear``."""
+
+    def __init__(self, group: W8A8Group, member: int) -> None:
+        super().__init__()
+        self.group, self.member = group, member
+        self.in_features = group.product.in_features
+        self.out_features = group.sizes[member]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for ``(..., in)`` inputs (a view of the group's product)."""
+        return self.group.output(self.member, x)
+
+    def extra_repr(self) -> str:
+        """What ``print(module)`` shows."""
+        form = self.group.product.extra_repr().rsplit(", ", 1)[-1]
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, member {self.member} of {len(self.group.sizes)} ({form})"
+
+
+#: The projections that share an input: one product each group.
+SHARED_INPUTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+#: The projections with an input of their own.
+ALONE = ("o_proj", "down_proj")
+#: Where each projection lives in a ``LlamaDecoderLayer``.
+OWNERS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def grouped_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, nn.Module]:
+    """The seven projections as modules by name (``q_proj`` … ``down_proj``) from their weights."""
+    modules: dict[str, nn.Module] = {}
+    with torch.no_grad():
+        for names in SHARED_INPUTS.values():
+            group = W8A8Group([weights[name] for name in names])
+            modules.update({name: GroupMember(group, member) for member, name in enumerate(names)})
+        for name in ALONE:
+            modules[name] = W8A8Linear(weights[name])
+    return modules
+
+
+def quantize_layer(layer: nn.Module) -> None:
+    """Replace a ``LlamaDecoderLayer``'s seven projections: two groups (q/k/v, gate/up), o and down alone."""
+    owners = {name: owner for owner, names in OWNERS.items() for name in names}
+    weights = {}
+    for name, owner_name in owners.items():
+        linear = getattr(getattr(layer, owner_name), name)
+        if not isinstance(linear, nn.Linear) or getattr(linear, "bias", None) is not None:
+            raise TypeError(f"{owner_name}.{name} is {type(linear).__name__}, not a Linear without bias")
+        weights[name] = linear.weight
+    for name, module in grouped_modules(weights).items():
+        setattr(getattr(layer, owners[name]), name, module)
