@@ -45,6 +45,17 @@ def run_to_end(engine: Any, requests: list[SequenceRequest], max_steps: int = 10
     return out
 
 
+def step_until_finished(engine: Any, live: list[int], max_steps: int = 300) -> None:
+    """Step the ``live`` sequences together until every one has finished (``live`` ends empty)."""
+    for _ in range(max_steps):
+        if not live:
+            break
+        for result in engine.step(live):
+            if result.finished:
+                live.remove(result.seq_id)
+    assert not live, "sequences did not finish"
+
+
 def full_size_decoder_and_vocos() -> tuple[Any, Any]:
     """ChatTTS's full-size Decoder and Vocos with random weights at trained-like layer scales (seed 0)."""
     from dataclasses import asdict

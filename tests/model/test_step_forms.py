@@ -3,7 +3,7 @@
 * oneDNN-prepacked projections compute the same step as transformers' ``nn.Linear``: in
   float32, near-greedy, with rows joining, pausing, leaving and ending on their own, the
   tokens are identical (bf16, the form serving uses, rounds differently by nature);
-* ``--quantize int8`` loads, serves a stream, and says so in ``hello`` and ``/metrics``;
+* ``--quantize int8`` and ``w8a8`` load, serve a stream, and say so in ``hello`` and ``/metrics``;
 * ``--compile-step on`` (inductor, the CPU) gives the same tokens as the eager step in
   float32 with rows joining and leaving, and a compile that fails gives way to the eager step;
 * a runner whose capture raises at warm-up gives way to the eager step: the server starts,
@@ -24,8 +24,9 @@ from server.app import App
 from server.config import load_settings
 from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.step import linear
+from server.engine.chattts.step.w8a8 import quantized_engine_available
 from server.engine_api import SequenceRequest, SynthesisParams
-from tests.model.helpers import TEST_DEVICE, run_to_end
+from tests.model.helpers import TEST_DEVICE, run_to_end, step_until_finished
 from tests.model.reference import RecordingRunner
 from tests.wsclient import collect, open_client, start
 
@@ -53,14 +54,7 @@ def _join_pause_leave(engine: Any) -> dict[int, torch.Tensor]:
         engine.add(requests[4])
         engine.step([1, 2, 3, 4])  # row 0 paused
         engine.drop(3)  # leaves mid-stream
-        live = [0, 1, 2, 4]
-        for _ in range(200):
-            if not live:
-                break
-            for result in engine.step(live):
-                if result.finished:
-                    live.remove(result.seq_id)
-        assert not live
+        step_until_finished(engine, [0, 1, 2, 4], max_steps=200)
     finally:
         engine.token_tap = None
     return {sid: torch.cat(parts) for sid, parts in seen.items()}
@@ -133,14 +127,21 @@ def test_int8_weights_are_close_to_the_float_weights() -> None:
         assert torch.allclose(module(x), x @ dequantized.T, atol=1e-4)
 
 
+W8A8_HERE = TEST_DEVICE == "cpu" and quantized_engine_available()
+
+
 @pytest.mark.loopback
-async def test_int8_serves_a_stream_and_says_so(make_model_app: Any) -> None:
-    app: App = await make_model_app("--quantize", "int8")
+@pytest.mark.parametrize(
+    "quantize",
+    ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU"))],
+)
+async def test_a_quantized_server_streams_and_says_so(make_model_app: Any, quantize: str) -> None:
+    app: App = await make_model_app("--quantize", quantize)
     ws, hello = await open_client(app.port)
-    assert hello["compute"]["quantize"] == "int8" and hello["compute"]["dtype"] == "float32"
-    assert "token_step_fallback" not in hello["compute"]
+    assert hello["compute"]["quantize"] == quantize and hello["compute"]["dtype"] == "float32"
+    assert hello["compute"]["token_step"] == "eager" and "token_step_fallback" not in hello["compute"]
     metrics = app.metrics.render().decode()
-    assert 'quantize="int8"' in metrics and 'projections="int8"' in metrics
+    assert f'quantize="{quantize}"' in metrics and f'projections="{quantize}"' in metrics
     await start(ws, id="q", text="Quantized speech, one sentence.", seed=5)
     log = (await collect(ws, {"q"}))["q"]
     await ws.close()

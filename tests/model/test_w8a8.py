@@ -7,8 +7,8 @@
 * projections of one input (q/k/v, gate/up) run as one product, and each member's part is
   bit-for-bit its own product; the group lets go of its parts once every member took its own;
 * through the engine, a stream's tokens do not depend on who else is in the batch;
-* the server loads it, streams, and says so in ``hello`` and ``/metrics``; it is refused where
-  it cannot run (off the CPU, with ``--compile-step on``).
+* it is refused where it cannot run (off the CPU, with ``--compile-step on``); the server with
+  it streams and says so (``test_step_forms.test_a_quantized_server_streams_and_says_so``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from server.app import App
 from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.step import linear
 from server.engine.chattts.step.w8a8 import (
@@ -30,8 +29,7 @@ from server.engine.chattts.step.w8a8 import (
     quantized_engine_available,
 )
 from server.engine_api import SequenceRequest, SynthesisParams
-from tests.model.helpers import TEST_DEVICE
-from tests.wsclient import collect, open_client, start
+from tests.model.helpers import TEST_DEVICE, step_until_finished
 
 pytestmark = pytest.mark.skipif(
     TEST_DEVICE != "cpu" or not quantized_engine_available(), reason="w8a8 is FBGEMM's, on an x86-64 CPU"
@@ -132,14 +130,7 @@ def _codes(engine: Any, requests: list[SequenceRequest]) -> dict[int, torch.Tens
     try:
         for r in requests:
             engine.add(r)
-        live = [r.seq_id for r in requests]
-        for _ in range(300):
-            if not live:
-                break
-            for result in engine.step(live):
-                if result.finished:
-                    live.remove(result.seq_id)
-        assert not live
+        step_until_finished(engine, [r.seq_id for r in requests])
     finally:
         engine.token_tap = None
     return {sid: torch.cat(parts) for sid, parts in seen.items()}
@@ -165,19 +156,6 @@ def test_a_streams_tokens_do_not_depend_on_the_batch(tiny_model_dir: Path) -> No
         assert torch.equal(together[1], alone)
     finally:
         engine.close()
-
-
-@pytest.mark.loopback
-async def test_w8a8_serves_a_stream_and_says_so(make_model_app: Any) -> None:
-    app: App = await make_model_app("--quantize", "w8a8")
-    ws, hello = await open_client(app.port)
-    assert hello["compute"]["quantize"] == "w8a8" and hello["compute"]["token_step"] == "eager"
-    metrics = app.metrics.render().decode()
-    assert 'quantize="w8a8"' in metrics and 'projections="w8a8"' in metrics
-    await start(ws, id="w", text="Eight bit weights and activations.", seed=5)
-    log = (await collect(ws, {"w"}))["w"]
-    await ws.close()
-    assert log.done is not None and log.done["reason"] == "complete" and log.done["samples"] > 0
 
 
 def test_w8a8_is_refused_where_it_cannot_run() -> None:
