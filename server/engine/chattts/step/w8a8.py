@@ -3,11 +3,13 @@
 A token step on a small CPU is bound by reading the GPT's weights, and weight-only int8
 (:class:`~server.engine.chattts.step.linear.Int8Linear`) halves the bytes but not the time:
 ``_weight_int8pack_mm`` converts every weight to floating point before it multiplies, and its
-cost grows with the rows (on this project's 2-core EPYC, the 140 products took 13 ms at batch 1
-and 39 ms at batch 8, against 14 and 16 ms in prepacked bf16). FBGEMM's dynamically quantized
-linear (``quantized::linear_dynamic``) multiplies int8 by int8 with integer instructions (VNNI
-where the CPU has it) and reads the int8 weight once for all rows: 7.6 ms at batch 1 and 10.5 ms
-at batch 8 on the same machine (``bench/results/cpu_realtime.md``).
+cost grows with the rows (on this project's 2-core EPYC, the 140 products took 17.6 ms at
+batch 1 and 39.0 ms at batch 8, against 24.5 and 24.4 ms in prepacked bf16). FBGEMM's
+dynamically quantized linear (``quantized::linear_dynamic``) multiplies int8 by int8 with
+integer instructions (VNNI where the CPU has it) and reads the int8 weight once for all rows:
+14.7 ms at batch 1 and 20.3 ms at batch 8 in the same run, grouped as below
+(``bench/results/cpu_realtime.md``; the bare FBGEMM calls alone took 7.6 and 10.5 ms in a
+quieter hour).
 
 Its one flaw for a server: it quantizes its whole input with one scale, so a row's result
 depends on the other rows of the batch (a loud row leaves a quiet one a few levels, up to 100 %
