@@ -47,8 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear
-from server.engine.chattts.step.w8a8 import grouped_modules
+from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
 
 FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
 SPLIT = ("projections", "attention", "kv_write", "llama_rest", "step_rest")
@@ -82,7 +81,7 @@ class Forms:
             "dense": dense,
             "onednn-bf16": [[PackedLinear(m.weight) for m in ms] for ms in dense],
             "int8": [[Int8Linear(w).to(dtype=torch.bfloat16) for w in ws] for ws in float_weights],
-            "w8a8": [_w8a8(ws) for ws in float_weights],
+            "w8a8": [w8a8_layer(ws) for ws in float_weights],
         }
 
     def use(self, form: str) -> None:
@@ -121,12 +120,6 @@ def fill_slots(engine: Any, rows: int, length: int) -> None:
     state.lengths[:rows] = length - 1
     for slot in range(rows):
         kv.cover(slot, length)
-
-
-def _w8a8(weights: list[torch.Tensor]) -> list[nn.Module]:
-    """One layer's projections as ``--quantize w8a8`` makes them (q/k/v and gate/up one product each)."""
-    modules = grouped_modules({name: w for (_, name), w in zip(PROJECTIONS, weights, strict=True)})
-    return [modules[name] for _, name in PROJECTIONS]
 
 
 def _dense(weight: torch.Tensor) -> nn.Linear:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
-from server.engine.chattts.step.w8a8 import quantize_layer, quantized_engine_available
+from server.engine.chattts.step.w8a8 import grouped_modules, quantized_engine_available
 
 #: Above this many rows a product dequantizes the int8 weight instead of calling
 #: ``_weight_int8pack_mm``, whose cost grows with the rows (a matrix-vector kernel: 4x a
@@ -139,7 +139,7 @@ def prepare_projections(
     packs bf16 weights itself and cannot trace :class:`PackedLinear`: they stay ``nn.Linear``.
 
     Returns:
-        ``"int8"`` (:class:`Int8Linear`), ``"w8a8"`` (:func:`~.w8a8.quantize_layer`), ``"onednn-bf16"``
+        ``"int8"`` (:class:`Int8Linear`), ``"w8a8"`` (:func:`w8a8_layer`), ``"onednn-bf16"``
         (:class:`PackedLinear`, bf16 on a CPU whose PyTorch has oneDNN) or ``"dense"``
         (transformers' own ``nn.Linear``).
 
@@ -154,8 +154,7 @@ def prepare_projections(
             raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
         if compiled:
             raise ValueError("--quantize w8a8 steps eagerly: it cannot be combined with --compile-step on")
-        for layer in layers:  # from the loaded (float32) weights, before the cast
-            quantize_layer(layer)
+        _replace_layers(layers, w8a8_layer)  # from the loaded (float32) weights, before the cast
         llama.to(dtype=dtype)
         return "w8a8"
     if quantize == "int8":  # from the loaded (float32) weights, before the cast
@@ -170,13 +169,36 @@ def prepare_projections(
     return "dense"
 
 
+def w8a8_layer(weights: list[torch.Tensor]) -> list[nn.Module]:
+    """One layer's seven projections (weights in :data:`PROJECTIONS` order) as ``--quantize w8a8`` makes them.
+
+    q/k/v and gate/up become one product each (:func:`~.w8a8.grouped_modules`).
+    """
+    by_name = grouped_modules({name: w for (_, name), w in zip(PROJECTIONS, weights, strict=True)})
+    return [by_name[name] for _, name in PROJECTIONS]
+
+
 def _replace(layers: list[nn.Module], make: Callable[[torch.Tensor], nn.Module]) -> None:
     """Every layer's seven projections replaced by ``make(weight)``; the dense weights are freed."""
+    _replace_layers(layers, lambda weights: [make(w) for w in weights])
+
+
+def _replace_layers(
+    layers: list[nn.Module], make_layer: Callable[[list[torch.Tensor]], list[nn.Module]]
+) -> None:
+    """Every layer's seven projections replaced by ``make_layer(their weights)``; the dense weights are freed.
+
+    Weights and modules are in :data:`PROJECTIONS` order; a layer is checked whole before it changes.
+    """
     for layer in layers:
-        for owner_name, name in PROJECTIONS:
-            owner = getattr(layer, owner_name)
+        places = [(getattr(layer, owner_name), owner_name, name) for owner_name, name in PROJECTIONS]
+        weights = []
+        for owner, owner_name, name in places:
             linear = getattr(owner, name)
             if not isinstance(linear, nn.Linear) or getattr(linear, "bias", None) is not None:
                 raise TypeError(f"{owner_name}.{name} is {type(linear).__name__}, not a Linear without bias")
-            with torch.no_grad():
-                setattr(owner, name, make(linear.weight))
+            weights.append(linear.weight)
+        with torch.no_grad():
+            modules = make_layer(weights)
+        for (owner, _, name), module in zip(places, modules, strict=True):
+            setattr(owner, name, module)

@@ -180,8 +180,6 @@ class GroupMember(nn.Module):
 SHARED_INPUTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 #: The projections with an input of their own.
 ALONE = ("o_proj", "down_proj")
-#: Where each projection lives in a ``LlamaDecoderLayer``.
-OWNERS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 def grouped_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, nn.Module]:
@@ -194,16 +192,3 @@ def grouped_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, nn.Module]
         for name in ALONE:
             modules[name] = W8A8Linear(weights[name])
     return modules
-
-
-def quantize_layer(layer: nn.Module) -> None:
-    """Replace a ``LlamaDecoderLayer``'s seven projections: two groups (q/k/v, gate/up), o and down alone."""
-    owners = {name: owner for owner, names in OWNERS.items() for name in names}
-    weights = {}
-    for name, owner_name in owners.items():
-        linear = getattr(getattr(layer, owner_name), name)
-        if not isinstance(linear, nn.Linear) or getattr(linear, "bias", None) is not None:
-            raise TypeError(f"{owner_name}.{name} is {type(linear).__name__}, not a Linear without bias")
-        weights[name] = linear.weight
-    for name, module in grouped_modules(weights).items():
-        setattr(getattr(layer, owners[name]), name, module)
