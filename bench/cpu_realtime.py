@@ -11,7 +11,8 @@
    products in each form, transformers' own ``LlamaModel``, and the engine's token step
    with its projections as before #23 (``dense``), as now (``onednn-bf16``), with
    ``--quantize int8`` and with ``--quantize w8a8``, at batch 1, 4 and 8, interleaved
-   rounds, each split by part and profiled op by op;
+   rounds, each split by part and profiled op by op; with ``--step-compiled FORMS`` also the
+   engine's compiled step in those forms (timed after the others, each on a fresh load);
 2. **servers**: ``serve`` from ``--before`` (the code before the change, default flags),
    from this tree (default flags), with ``--quantize int8``, with ``--quantize w8a8``,
    with ``--compile-step on`` and with it and int8, each
@@ -19,7 +20,7 @@
    (pcm16, medium and long texts so that streams last several seconds, cut after
    ``--max-audio-s``); ``--rounds`` > 1 repeats the servers with their order flipped;
 3. **in-process**: ChatTTS's own ``infer()`` (stock float32) and the engine stepping in
-   this process (``bench.engine_direct``: default, int8, w8a8 and compiled) at the same levels.
+   this process (``bench.engine_direct``: default, int8, w8a8, and each compiled) at the same levels.
 
 Every result records the 1-minute load average after it (the machine is shared). Writes
 ``OUT.json`` (everything, every stream) and ``OUT.md`` (:mod:`bench.cpu_report`) after each
@@ -54,6 +55,7 @@ SYSTEMS: dict[str, tuple[list[str], str]] = {
     "after-w8a8": (["--quantize", "w8a8"], "after"),
     "after-compiled": (["--compile-step", "on"], "after"),  # --compile-step: minutes of warm-up
     "after-compiled-int8": (["--compile-step", "on", "--quantize", "int8"], "after"),
+    "after-compiled-w8a8": (["--compile-step", "on", "--quantize", "w8a8"], "after"),
 }
 #: The in-process engine each server is compared with at c8: name → its extra flags.
 ENGINES: dict[str, list[str]] = {
@@ -62,6 +64,7 @@ ENGINES: dict[str, list[str]] = {
     "engine-direct-w8a8": ["--quantize", "w8a8"],
     "engine-direct-compiled": ["--compile-step", "on"],
     "engine-direct-compiled-int8": ["--compile-step", "on", "--quantize", "int8"],
+    "engine-direct-compiled-w8a8": ["--compile-step", "on", "--quantize", "w8a8"],
 }
 
 
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-batches", default="1,4,8", help="batch sizes of the step part")
     p.add_argument("--step-iterations", type=int, default=8, help="calls per timed run of the step part")
     p.add_argument("--compile", action="store_true", help="the step part also compiles transformers' Llama")
+    p.add_argument(
+        "--step-compiled", default="", help="the step part also times the compiled step: bf16, int8, w8a8"
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/cpu_realtime")
     return p
 
@@ -139,6 +145,7 @@ class Run:
             "--batches", a.step_batches, "--iterations", str(a.step_iterations), "--out", str(out),
         ]  # fmt: skip
         argv += ["--compile"] if a.compile else []
+        argv += ["--compiled-step", a.step_compiled] if a.step_compiled else []
         print(f"[cpu_realtime] step: {shlex.join(argv)}", flush=True)
         proc = subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **CHILD_ENV}, check=False)
         if proc.returncode != 0:

@@ -18,6 +18,7 @@ SERVER_ENGINE = {
     "after-w8a8": "engine-direct-w8a8",
     "after-compiled": "engine-direct-compiled",
     "after-compiled-int8": "engine-direct-compiled-int8",
+    "after-compiled-w8a8": "engine-direct-compiled-w8a8",
 }
 LOADED = 1.5  # a 1-minute load average above this on 2 cores: the number was taken on a loaded machine
 
@@ -33,6 +34,9 @@ STEP_ROWS = (
     ("step-onednn-bf16", "our whole token step, after (default: prepacked bf16)"),
     ("step-int8", "our whole token step, `--quantize int8`"),
     ("step-w8a8", "our whole token step, `--quantize w8a8`"),
+    ("step-compiled", "our whole token step, `--compile-step on` (timed after the rows above)"),
+    ("step-compiled-int8", "our whole token step, `--compile-step on --quantize int8` (timed after)"),
+    ("step-compiled-w8a8", "our whole token step, `--compile-step on --quantize w8a8` (timed after)"),
 )
 #: The projection forms :mod:`bench.cpu_step` measures the step with.
 STEP_FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
@@ -246,8 +250,9 @@ def _server_table(result: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = ["before", "after", "after-int8", "after-w8a8", "after-compiled", "after-compiled-int8"]
-    order += ["chattts-infer", "engine-direct", "engine-direct-int8", "engine-direct-w8a8"]
-    order += ["engine-direct-compiled"]
+    order += ["after-compiled-w8a8", "chattts-infer", "engine-direct", "engine-direct-int8"]
+    order += ["engine-direct-w8a8", "engine-direct-compiled", "engine-direct-compiled-int8"]
+    order += ["engine-direct-compiled-w8a8"]
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
             f"| {system} c{c} | {x['streams']} | {x['long']} | "

@@ -143,8 +143,9 @@ class Settings:
     quantize: str = _opt(
         "none",
         "int8: the GPT's projections as weight-only int8 (faster single streams on a CPU, other tokens "
-        "than without it); w8a8: int8 weights times per-row int8 activations (x86-64 CPU, eager step: "
-        "the fastest step there at every batch, other tokens again); reported in hello and /metrics; "
+        "than without it); w8a8: int8 weights times per-row int8 activations (x86-64 CPU: "
+        "the fastest step there at every batch, with --compile-step on the fastest of all; "
+        "other tokens again); reported in hello and /metrics; "
         "none: as --dtype loads them",
         choices=QUANTIZE_CHOICES,
     )

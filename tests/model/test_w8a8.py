@@ -7,12 +7,16 @@
 * projections of one input (q/k/v, gate/up) run as one product, and each member's part is
   bit-for-bit its own product; the group lets go of its parts once every member took its own;
 * through the engine, a stream's tokens do not depend on who else is in the batch;
-* it is refused where it cannot run (off the CPU, with ``--compile-step on``); the server with
-  it streams and says so (``test_step_forms.test_a_quantized_server_streams_and_says_so``).
+* under ``--compile-step on`` the same products run inside inductor's graph (no graph break),
+  a row is still the same alone or in any batch, and the compiled step gives the eager w8a8
+  step's tokens with rows joining and leaving;
+* it is refused where it cannot run (off the CPU); the server with it streams and says so
+  (``test_step_forms.test_a_quantized_server_streams_and_says_so``).
 """
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 from server.engine.chattts.options import EngineOptions
-from server.engine.chattts.step import linear
+from server.engine.chattts.step import linear, w8a8
 from server.engine.chattts.step.w8a8 import (
     GroupMember,
     W8A8Group,
@@ -159,13 +163,80 @@ def test_a_streams_tokens_do_not_depend_on_the_batch(tiny_model_dir: Path) -> No
 
 
 def test_w8a8_is_refused_where_it_cannot_run() -> None:
-    with pytest.raises(ValueError, match="cannot be combined with compile_step"):
-        EngineOptions(quantize="w8a8", compile_step=True)
     llama = torch.nn.Module()
     llama.layers = torch.nn.ModuleList()
     with pytest.raises(ValueError, match="x86-64 CPU only"):
         linear.prepare_projections(llama, dtype=torch.float32, device=torch.device("cuda"), quantize="w8a8")
-    with pytest.raises(ValueError, match="cannot be combined with --compile-step on"):
-        linear.prepare_projections(
-            llama, dtype=torch.float32, device=torch.device("cpu"), quantize="w8a8", compiled=True
+    EngineOptions(quantize="w8a8", compile_step=True)  # compiles since the products became an operator
+
+
+def test_the_compiled_product_is_the_eager_one_and_still_per_row() -> None:
+    module = W8A8Linear(_weight(96, 64), reduce_range=False)
+    compiled = torch.compile(module, dynamic=True, fullgraph=True)  # fullgraph: a graph break raises
+    x = _rows(64)
+    with torch.no_grad():
+        eager, together = module(x), compiled(x)
+        alone = [compiled(x[i : i + 1]) for i in range(len(x))]  # batch 1 is a graph of its own
+        pair = compiled(x[[2, 0]])
+    # Fused, the division by the magnitude may round a value across an int8 level: one level of
+    # a row's 8-bit grid is 1/127 of its largest input, about 1 % of its output.
+    error = (together - eager).norm(dim=1) / eager.norm(dim=1)
+    assert torch.all(error < 0.01), error
+    for i, row in enumerate(alone):
+        assert torch.equal(row, together[i : i + 1]), f"row {i} depends on its batch when compiled"
+    assert torch.equal(pair[1], together[0])
+
+
+def test_a_compiled_group_runs_in_one_graph_and_lets_go_of_its_parts() -> None:
+    weights = [_weight(96, 64), _weight(32, 64) * 3, _weight(48, 64) / 5]
+    group = W8A8Group(weights, reduce_range=False)
+    members = [GroupMember(group, i) for i in range(3)]
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in members], dim=-1)
+
+    x = _rows(64)
+    with torch.inference_mode():  # as the engine steps: the version check must not break the graph
+        eager = project(x)
+        compiled = torch.compile(project, dynamic=True, fullgraph=True)(x)
+    assert group._input is None and all(p is None for p in group._parts)
+    assert torch.all((compiled - eager).norm(dim=1) / eager.norm(dim=1) < 0.01)
+
+
+def test_a_collected_module_leaves_the_operator_s_table() -> None:
+    module = W8A8Linear(_weight(96, 64))
+    handle = module.handle
+    assert w8a8._BY_HANDLE[handle] is module
+    del module
+    gc.collect()
+    assert handle not in w8a8._BY_HANDLE  # the table holds no model's weights alive
+
+
+@pytest.mark.timeout(900)  # inductor compiles four graphs: about 2 minutes on a quiet 2-core machine
+def test_the_compiled_w8a8_step_gives_the_eager_w8a8_steps_tokens(tiny_model_dir: Path) -> None:
+    from server.engine.chattts.engine import ChatTTSEngine
+    from server.engine.chattts.step.compiled import CompiledRunner
+    from tests.model.test_step_forms import _join_pause_leave
+
+    tokens = {}
+    for compile_step in (False, True):
+        engine = ChatTTSEngine.load(
+            model_dir=tiny_model_dir,
+            device=TEST_DEVICE,
+            dtype="float32",
+            options=EngineOptions(max_batch=8, quantize="w8a8", compile_step=compile_step),
         )
+        try:
+            assert engine.info.extra["projections"] == "w8a8"
+            if compile_step:
+                runner = engine._batch.runner
+                assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
+                assert engine.info.extra["token_step"] == "compiled"
+            tokens[compile_step] = _join_pause_leave(engine)  # rows joining, pausing, leaving
+            if compile_step:
+                assert runner.misses == 0
+        finally:
+            engine.close()
+    assert set(tokens[True]) == set(tokens[False]) == {0, 1, 2, 3, 4}
+    for sid, codes in tokens[False].items():
+        assert torch.equal(tokens[True][sid], codes), f"row {sid} diverged"

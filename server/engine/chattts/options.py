@@ -107,8 +107,6 @@ class EngineOptions:
             raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")
         if self.quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize {self.quantize!r}: must be one of {', '.join(QUANTIZE_CHOICES)}")
-        if self.quantize == "w8a8" and self.compile_step:
-            raise ValueError("quantize 'w8a8' steps eagerly: it cannot be combined with compile_step")
         if self.vocoder_dtype not in VOCODER_DTYPE_CHOICES:
             choices = ", ".join(VOCODER_DTYPE_CHOICES)
             raise ValueError(f"vocoder_dtype {self.vocoder_dtype!r}: must be one of {choices}")

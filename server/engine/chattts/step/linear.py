@@ -144,7 +144,7 @@ def prepare_projections(
         (transformers' own ``nn.Linear``).
 
     Raises:
-        ValueError: ``w8a8`` off the CPU, on a PyTorch without FBGEMM, or with ``compiled``.
+        ValueError: ``w8a8`` off the CPU or on a PyTorch without FBGEMM.
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; not {quantize!r}")
@@ -152,8 +152,6 @@ def prepare_projections(
     if quantize == "w8a8":
         if device.type != "cpu" or not quantized_engine_available():
             raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
-        if compiled:
-            raise ValueError("--quantize w8a8 steps eagerly: it cannot be combined with --compile-step on")
         _replace_layers(layers, w8a8_layer)  # from the loaded (float32) weights, before the cast
         llama.to(dtype=dtype)
         return "w8a8"

@@ -30,6 +30,13 @@ refinement and the step still call ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)``: 
 call computes all three, the others take their part of it. Every output channel is quantized
 and summed exactly as it would be alone, so the parts are bit-for-bit the separate products.
 
+Under ``--compile-step on`` the same products run inside inductor's compiled step: dynamo
+cannot trace FBGEMM's packed weight (an opaque object), so the compiled step calls FBGEMM through
+one operator of this project's own (``chattts_stream::w8a8_rows``), which names the module by a
+handle, and inductor fuses the small operators around it (the row magnitudes, the division, the
+anchor, the rescaling) with the norms and residuals it already fuses. The products are the same
+calls on the same packed weights; only the fused arithmetic around them may round differently.
+
 It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "The CPU step", says
 what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM
 (x86-64); the server refuses it elsewhere at start-up.
@@ -38,7 +45,9 @@ what it costs in code agreement with float32). It runs on the CPU only, where Py
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -80,6 +89,32 @@ def _per_channel_int8(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(w, scale.double(), zero_points, 0, torch.qint8)
 
 
+#: Every live :class:`W8A8Linear` by its handle; a module that is collected leaves by itself.
+_BY_HANDLE: weakref.WeakValueDictionary[int, W8A8Linear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+#: The compiled step's door to FBGEMM: ``w8a8_rows(rows, handle)`` is ``linear_dynamic`` of the
+#: normalized rows (anchor included) with the packed weight of module ``handle``. An operator
+#: dynamo treats as opaque, because the packed weight itself cannot be traced.
+_LIBRARY = torch.library.Library("chattts_stream", "DEF")  # type: ignore[no-untyped-call]
+_LIBRARY.define("w8a8_rows(Tensor rows, int handle) -> Tensor")  # type: ignore[no-untyped-call]
+
+
+def _w8a8_rows(rows: torch.Tensor, handle: int) -> torch.Tensor:
+    module = _BY_HANDLE[handle]
+    out: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, module.packed, module.reduce_range)
+    return out
+
+
+def _w8a8_rows_shape(rows: torch.Tensor, handle: int) -> torch.Tensor:
+    """What the compiler sees: ``(rows, out_features)`` float32."""
+    return rows.new_empty((rows.shape[0], _BY_HANDLE[handle].out_features), dtype=torch.float32)
+
+
+_LIBRARY.impl("w8a8_rows", _w8a8_rows, "CPU")  # type: ignore[no-untyped-call]
+torch.library.register_fake("chattts_stream::w8a8_rows", _w8a8_rows_shape, lib=_LIBRARY)
+
+
 class W8A8Linear(nn.Module):
     """``nn.Linear`` without bias as FBGEMM's int8 × int8 product, each input row quantized on its own scale.
 
@@ -99,13 +134,19 @@ class W8A8Linear(nn.Module):
         anchor = torch.zeros(1, self.in_features)
         anchor[0, 0], anchor[0, -1] = 1.0, -1.0
         self._anchor = anchor  # fixes the input's range at [-1, 1]: the grid no longer depends on the batch
+        self.handle = next(_HANDLES)
+        _BY_HANDLE[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` for ``(..., in)`` inputs, in ``x``'s dtype."""
         flat = x.reshape(-1, self.in_features).float()
         magnitude = flat.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         rows = torch.cat([flat / magnitude, self._anchor])
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)
+        out: torch.Tensor
+        if torch.compiler.is_compiling():  # the same FBGEMM call, through an operator dynamo can hold
+            out = torch.ops.chattts_stream.w8a8_rows(rows, self.handle)
+        else:
+            out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)
         return (out[:-1] * magnitude).to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -152,8 +193,12 @@ class W8A8Group:
 
 
 def _version(x: torch.Tensor) -> int:
-    """``x``'s in-place version counter, or -1 for an inference-mode tensor (which has none)."""
-    return -1 if x.is_inference() else int(x._version)
+    """``x``'s in-place version counter, or -1 for an inference-mode tensor (which has none).
+
+    Also -1 while dynamo traces the compiled step: it cannot trace ``is_inference()`` (a graph
+    break), and within one traced graph the identity of ``x`` is all there is to check.
+    """
+    return -1 if torch.compiler.is_compiling() or x.is_inference() else int(x._version)
 
 
 class GroupMember(nn.Module):
