@@ -249,10 +249,7 @@ def _server_table(result: dict[str, Any]) -> list[str]:
         f"| underrun streams @{LISTENER_MS:g} ms (all, ≥ 4 s) | TTFA p50 / p90 (s) | errors | load after |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = ["before", "after", "after-int8", "after-w8a8", "after-compiled", "after-compiled-int8"]
-    order += ["after-compiled-w8a8", "chattts-infer", "engine-direct", "engine-direct-int8"]
-    order += ["engine-direct-w8a8", "engine-direct-compiled", "engine-direct-compiled-int8"]
-    order += ["engine-direct-compiled-w8a8"]
+    order = ["before", *SERVER_ENGINE, "chattts-infer", *SERVER_ENGINE.values()]
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
             f"| {system} c{c} | {x['streams']} | {x['long']} | "

@@ -5,7 +5,8 @@
   tokens are identical (bf16, the form serving uses, rounds differently by nature);
 * ``--quantize int8`` and ``w8a8`` load, serve a stream, and say so in ``hello`` and ``/metrics``;
 * ``--compile-step on`` (inductor, the CPU) gives the same tokens as the eager step in
-  float32 with rows joining and leaving, and a compile that fails gives way to the eager step;
+  float32 with rows joining and leaving, with the default projections and with ``w8a8``, and
+  a compile that fails gives way to the eager step;
 * a runner whose capture raises at warm-up gives way to the eager step: the server starts,
   logs one loud line, says so in ``hello`` and ``/metrics``, and streams.
 """
@@ -194,23 +195,37 @@ async def test_a_failed_capture_falls_back_to_the_eager_step(
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the compiled step is the CPU's")
 @pytest.mark.timeout(900)  # inductor compiles four graphs: about 2 minutes on a quiet 2-core machine
+@pytest.mark.parametrize(
+    "quantize",
+    ["none", pytest.param("w8a8", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU"))],
+)
 def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
-    fp32_engine: Any, tiny_model_dir: Path
+    fp32_engine: Any, tiny_model_dir: Path, quantize: str
 ) -> None:
+    """For w8a8 the compiled step reaches FBGEMM through ``chattts_stream::w8a8_rows``."""
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.step.compiled import CompiledRunner
 
-    eager = _join_pause_leave(fp32_engine)
-    engine = ChatTTSEngine.load(
-        model_dir=tiny_model_dir,
-        device=TEST_DEVICE,
-        dtype="float32",
-        options=EngineOptions(max_batch=8, compile_step=True),
-    )
+    def load(compile_step: bool) -> Any:
+        options = EngineOptions(max_batch=8, quantize=quantize, compile_step=compile_step)
+        return ChatTTSEngine.load(
+            model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=options
+        )
+
+    if quantize == "none":
+        eager = _join_pause_leave(fp32_engine)
+    else:
+        eager_engine = load(compile_step=False)
+        try:
+            eager = _join_pause_leave(eager_engine)
+        finally:
+            eager_engine.close()
+    engine = load(compile_step=True)
     try:
         runner = engine._batch.runner
         assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
         assert engine.info.extra["token_step"] == "compiled"
+        assert engine.info.extra["projections"] == ("w8a8" if quantize == "w8a8" else "dense")
         assert "token_step_fallback" not in engine.info.extra
         compiled = _join_pause_leave(engine)  # batch 1 to 4, lengths growing, rows joining and leaving
         assert runner.misses == 0  # every step ran compiled: warm-up met every graph serving needs

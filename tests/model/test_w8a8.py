@@ -9,7 +9,8 @@
 * through the engine, a stream's tokens do not depend on who else is in the batch;
 * under ``--compile-step on`` the same products run inside inductor's graph (no graph break),
   a row is still the same alone or in any batch, and the compiled step gives the eager w8a8
-  step's tokens with rows joining and leaving;
+  step's tokens with rows joining and leaving
+  (``test_step_forms.test_the_compiled_step_gives_the_same_tokens_as_the_eager_step``);
 * it is refused where it cannot run (off the CPU); the server with it streams and says so
   (``test_step_forms.test_a_quantized_server_streams_and_says_so``).
 """
@@ -210,33 +211,3 @@ def test_a_collected_module_leaves_the_operator_s_table() -> None:
     del module
     gc.collect()
     assert handle not in w8a8._BY_HANDLE  # the table holds no model's weights alive
-
-
-@pytest.mark.timeout(900)  # inductor compiles four graphs: about 2 minutes on a quiet 2-core machine
-def test_the_compiled_w8a8_step_gives_the_eager_w8a8_steps_tokens(tiny_model_dir: Path) -> None:
-    from server.engine.chattts.engine import ChatTTSEngine
-    from server.engine.chattts.step.compiled import CompiledRunner
-    from tests.model.test_step_forms import _join_pause_leave
-
-    tokens = {}
-    for compile_step in (False, True):
-        engine = ChatTTSEngine.load(
-            model_dir=tiny_model_dir,
-            device=TEST_DEVICE,
-            dtype="float32",
-            options=EngineOptions(max_batch=8, quantize="w8a8", compile_step=compile_step),
-        )
-        try:
-            assert engine.info.extra["projections"] == "w8a8"
-            if compile_step:
-                runner = engine._batch.runner
-                assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
-                assert engine.info.extra["token_step"] == "compiled"
-            tokens[compile_step] = _join_pause_leave(engine)  # rows joining, pausing, leaving
-            if compile_step:
-                assert runner.misses == 0
-        finally:
-            engine.close()
-    assert set(tokens[True]) == set(tokens[False]) == {0, 1, 2, 3, 4}
-    for sid, codes in tokens[False].items():
-        assert torch.equal(tokens[True][sid], codes), f"row {sid} diverged"

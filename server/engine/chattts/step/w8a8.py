@@ -103,9 +103,7 @@ _LIBRARY.define("w8a8_rows(Tensor rows, int handle) -> Tensor")  # type: ignore[
 
 
 def _w8a8_rows(rows: torch.Tensor, handle: int) -> torch.Tensor:
-    module = _BY_HANDLE[handle]
-    out: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, module.packed, module.reduce_range)
-    return out
+    return _BY_HANDLE[handle].product(rows)
 
 
 def _w8a8_rows_shape(rows: torch.Tensor, handle: int) -> torch.Tensor:
@@ -145,11 +143,16 @@ class W8A8Linear(nn.Module):
         magnitude = flat.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         rows = torch.cat([flat / magnitude, self._anchor])
         out: torch.Tensor
-        if torch.compiler.is_compiling():  # the same FBGEMM call, through an operator dynamo can hold
+        if torch.compiler.is_compiling():  # the same product, through an operator dynamo can hold
             out = torch.ops.chattts_stream.w8a8_rows(rows, self.handle)
         else:
-            out = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)
+            out = self.product(rows)
         return (out[:-1] * magnitude).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """FBGEMM's product of normalized ``(n, in)`` float32 rows, anchor row included: ``(n, out)``."""
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self.packed, self.reduce_range)
+        return out
 
     def extra_repr(self) -> str:
         """What ``print(module)`` shows."""
