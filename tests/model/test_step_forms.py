@@ -6,7 +6,8 @@
 * ``--quantize int8`` and ``w8a8`` load, serve a stream, and say so in ``hello`` and ``/metrics``;
 * ``--compile-step on`` (inductor, the CPU) gives the same tokens as the eager step in
   float32 with rows joining and leaving, with the default projections and with ``w8a8``, and
-  a compile that fails gives way to the eager step;
+  a compile that fails gives way to the eager step; its KV slots are bf16 with a bf16 model,
+  which changes no value (the step's keys and values are bf16 when it makes them);
 * a runner whose capture raises at warm-up gives way to the eager step: the server starts,
   logs one loud line, says so in ``hello`` and ``/metrics``, and streams.
 """
@@ -234,6 +235,57 @@ def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
     assert set(compiled) == set(eager) == {0, 1, 2, 3, 4}
     for sid in eager:
         assert torch.equal(compiled[sid], eager[sid]), f"row {sid} diverged"
+
+
+def _bf16_engine(model_dir: Path, **chosen: Any) -> Any:
+    """A bf16 engine on the CPU, built without warm-up (a compiled step would compile at warm-up)."""
+    from server.engine.chattts.assets import load_chat
+    from server.engine.chattts.engine import ChatTTSEngine
+
+    cpu = torch.device("cpu")
+    loaded = load_chat(model_dir=model_dir, device=cpu)
+    options = EngineOptions(max_batch=8, **chosen)
+    return ChatTTSEngine(loaded, device=cpu, dtype=torch.bfloat16, options=options)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's slot dtype")
+def test_the_compiled_cpu_step_keeps_its_slots_in_the_model_dtype(tiny_model_dir: Path) -> None:
+    """Compiled, bf16 slots: half the memory and half the bytes each step reads; eager, float32."""
+    eager, compiled = _bf16_engine(tiny_model_dir), _bf16_engine(tiny_model_dir, compile_step=True)
+    try:
+        assert eager._batch.kv.keys[0].dtype == torch.float32
+        assert compiled._batch.kv.keys[0].dtype == torch.bfloat16
+        assert compiled._batch.kv.values[0].dtype == torch.bfloat16
+        assert 2 * compiled.kv_cache_bytes == eager.kv_cache_bytes
+        assert compiled.info.extra["kv_cache_bytes"] == str(compiled.kv_cache_bytes)
+    finally:
+        eager.close()
+        compiled.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's slot dtype")
+def test_bf16_slots_hold_the_bf16_step_exactly(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's keys and values are bf16 when it makes them: bf16 slots give the same tokens.
+
+    Eagerly (where the attention converts either slot dtype to float32 the same way), with
+    rows joining, pausing and leaving: so the compiled step's bf16 slots change no value.
+    """
+    from server.engine.chattts.step import runner
+
+    def codes(slot_dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        monkeypatch.setattr(runner, "kv_dtype", lambda *_a, **_k: slot_dtype)
+        engine = _bf16_engine(tiny_model_dir)
+        try:
+            engine.prepare_step()
+            assert engine._batch.kv.keys[0].dtype == slot_dtype
+            return _join_pause_leave(engine)
+        finally:
+            engine.close()
+
+    float_slots, bf16_slots = codes(torch.float32), codes(torch.bfloat16)
+    assert set(float_slots) == set(bf16_slots) == {0, 1, 2, 3, 4}
+    for sid in float_slots:
+        assert torch.equal(float_slots[sid], bf16_slots[sid]), f"row {sid} diverged"
 
 
 def test_bf16_projections_stay_plain_for_the_compiler() -> None:

@@ -52,8 +52,9 @@ def math_attention(
 ) -> torch.Tensor:
     """Single-query attention in float32: two matmuls and a softmax (the CPU's fast path).
 
-    The CPU's KV slots are float32 already (``kv.kv_dtype``): no conversion of the
-    strided slot views, which cost as much as the attention itself.
+    The eager CPU step's KV slots are float32 already (``kv.kv_dtype``): no conversion of the
+    strided slot views, which cost as much as the attention itself. Under the compiled step
+    they are bf16, and inductor fuses the conversion into the reads.
     """
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
     scores = torch.where(mask, scores, float("-inf"))  # one op where ``masked_fill(~mask)`` took two

@@ -132,6 +132,7 @@ class SlotBatch:
         step_runner: RunnerFactory | None = None,
     ) -> None:
         self.layout = layout
+        compiled = step_runner is None and compile_step and device.type == "cpu"
         self.batch_buckets = batch_buckets(layout.slots)
         self.length_buckets = length_buckets(
             layout.max_len, LENGTH_STEP.get(device.type, LENGTH_STEP["cuda"])
@@ -142,7 +143,7 @@ class SlotBatch:
             kv_heads=layout.kv_heads,
             max_len=layout.max_len,
             head_dim=layout.head_dim,
-            dtype=kv_dtype(dtype, device),
+            dtype=kv_dtype(dtype, device, compiled=compiled),
             device=device,
         )
         self.state = SlotState.allocate(
@@ -170,7 +171,7 @@ class SlotBatch:
             self.runner: StepRunner = step_runner(self.token_step)
         elif cuda_graphs and device.type == "cuda":
             self.runner = CudaGraphRunner(self.token_step, device)
-        elif compile_step and device.type == "cpu":
+        elif compiled:
             self.runner = CompiledRunner(self.token_step)
         else:
             self.runner = EagerRunner(self.token_step)
