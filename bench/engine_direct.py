@@ -132,24 +132,24 @@ class ClosedLoop:
         return run
 
 
-def main() -> int:
-    """Run the scenarios and write the JSON."""
-    parser = inproc.base_parser(__doc__ or "")
+def add_engine_arguments(parser: Any) -> None:
+    """The engine options an in-process run takes (``serve``'s flags of the same names)."""
     parser.add_argument("--block-schedule", default="", help="e.g. 8,16,32 (default: the engine's own)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8)")
+    parser.add_argument("--quantize", default="none", help="the engine's --quantize (none, int8, w8a8)")
     parser.add_argument("--compile-step", default="off", help="the engine's --compile-step (on, off)")
     parser.add_argument("--segment-max-chars", type=int, default=120)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+
+
+def load_engine(args: Any) -> tuple[Any, float]:
+    """The engine the arguments describe, loaded and warmed up, and the seconds that took."""
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.options import EngineOptions
     from server.engine.flags import parse_block_schedule
 
     default = EngineOptions().block_schedule
     blocks = parse_block_schedule(args.block_schedule) if args.block_schedule else default
-
     began = time.perf_counter()
     engine = ChatTTSEngine.load(
         model_dir=args.model_dir,
@@ -163,7 +163,16 @@ def main() -> int:
         ),
     )
     engine.warmup()
-    load_s = time.perf_counter() - began
+    return engine, time.perf_counter() - began
+
+
+def main() -> int:
+    """Run the scenarios and write the JSON."""
+    parser = inproc.base_parser(__doc__ or "")
+    add_engine_arguments(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    engine, load_s = load_engine(args)
     max_tokens = inproc.cap_tokens(args.max_audio_s)
     loop = ClosedLoop(
         engine, inproc.texts_from(args), max_tokens=max_tokens, segment_max_chars=args.segment_max_chars
