@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.engine_bench import timed
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
 
 FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
@@ -152,16 +153,6 @@ class Split:
         self._token_step, self._kv = token_step, kv
         self._hooks: list[Any] = []
 
-    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - began
-
-        return timed
-
     @contextmanager
     def active(self, layers: list[nn.Module]) -> Iterator[None]:
         """Time the parts while inside."""
@@ -174,9 +165,9 @@ class Split:
                 )
                 self._hooks.append(module.register_forward_hook(lambda *_: self._add("projections", began)))
         saved = (self.step.attend, self._kv.StepCache.update, type(self.step)._feed)
-        self.step.attend = self._timed("attention", saved[0])
-        self._kv.StepCache.update = self._timed("kv_write", saved[1])  # type: ignore[method-assign]
-        type(self.step)._feed = self._timed("llama", saved[2])  # type: ignore[method-assign]
+        self.step.attend = timed(self.seconds, "attention", saved[0])
+        self._kv.StepCache.update = timed(self.seconds, "kv_write", saved[1])  # type: ignore[method-assign]
+        type(self.step)._feed = timed(self.seconds, "llama", saved[2])  # type: ignore[method-assign]
         try:
             yield
         finally:

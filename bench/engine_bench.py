@@ -10,6 +10,8 @@ import argparse
 import json
 import shlex
 import sys
+import time
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,16 @@ def report_header(title: str, report: dict[str, Any]) -> list[str]:
         f"load average at start {m.get('loadavg_at_start')}. Shared: {report['shared_machine']}.",
         "",
     ]
+
+
+def timed(seconds: MutableMapping[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, adding the wall time of each call to ``seconds[name]`` (a ``Counter`` or ``defaultdict``)."""
+
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - began
+
+    return timed_call

@@ -166,6 +166,13 @@ def load_engine(args: Any) -> tuple[Any, float]:
     return engine, time.perf_counter() - began
 
 
+def closed_loop(engine: Any, args: Any) -> ClosedLoop:
+    """The closed loop the arguments describe (texts, ``--max-audio-s``, ``--segment-max-chars``)."""
+    max_tokens = inproc.cap_tokens(args.max_audio_s)
+    texts = inproc.texts_from(args)
+    return ClosedLoop(engine, texts, max_tokens=max_tokens, segment_max_chars=args.segment_max_chars)
+
+
 def main() -> int:
     """Run the scenarios and write the JSON."""
     parser = inproc.base_parser(__doc__ or "")
@@ -173,10 +180,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     engine, load_s = load_engine(args)
-    max_tokens = inproc.cap_tokens(args.max_audio_s)
-    loop = ClosedLoop(
-        engine, inproc.texts_from(args), max_tokens=max_tokens, segment_max_chars=args.segment_max_chars
-    )
+    loop = closed_loop(engine, args)
     scenarios = []
     for concurrency in inproc.concurrencies(args):
         cpu0 = inproc.cpu_now()
@@ -191,7 +195,7 @@ def main() -> int:
         "block_schedule": ",".join(map(str, engine.block_schedule)),
         "quantize": args.quantize,
         "token_step": engine.info.extra.get("token_step"),
-        "max_tokens": max_tokens,
+        "max_tokens": loop.max_tokens,
         "random_weights": engine.random_weights,
     }
     engine.close()

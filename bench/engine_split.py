@@ -20,16 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench import inproc
-from bench.engine_direct import ClosedLoop, add_engine_arguments, load_engine
+from bench.engine_bench import command, report_header, timed
+from bench.engine_direct import ClosedLoop, add_engine_arguments, closed_loop, load_engine
 from bench.machine import describe_machine
 from bench.textset import seed_base
 
@@ -37,41 +38,28 @@ PARTS = ("step", "decode", "prefill")
 
 
 class PartTimer:
-    """Seconds spent in each timed part, and the token steps by shape."""
+    """Seconds spent in the decode and the prefill, and every token step's seconds by shape."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.shapes: dict[tuple[int, int], list[float]] = defaultdict(list)
 
-    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` with its wall time added to ``part``."""
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[part] += time.perf_counter() - began
-
-        return timed
-
     def wrap_step(self, run: Callable[[int, int], None]) -> Callable[[int, int], None]:
-        """The runner's ``run(batch, length)`` timed per shape, and as the ``step`` part."""
+        """The runner's ``run(batch, length)``, each call's time noted under its shape."""
 
-        def timed(batch: int, length: int) -> None:
+        def timed_run(batch: int, length: int) -> None:
             began = time.perf_counter()
             try:
                 run(batch, length)
             finally:
-                spent = time.perf_counter() - began
-                self.seconds["step"] += spent
-                self.shapes[(batch, length)].append(spent)
+                self.shapes[(batch, length)].append(time.perf_counter() - began)
 
-        return timed
+        return timed_run
 
     def take(self) -> tuple[dict[str, float], dict[tuple[int, int], list[float]]]:
-        """What was timed since the last call, and start again."""
-        seconds, shapes = dict(self.seconds), dict(self.shapes)
+        """The parts' seconds (``step``: the sum over the shapes) and the shapes since the last call."""
+        shapes = dict(self.shapes)
+        seconds = {**self.seconds, "step": sum(sum(times) for times in shapes.values())}
         self.seconds.clear()
         self.shapes.clear()
         return seconds, shapes
@@ -81,8 +69,8 @@ def instrument(engine: Any, timer: PartTimer) -> None:
     """Time this engine's token step, decode and prefill (instance attributes: nothing global)."""
     batch = engine._batch
     batch.runner.run = timer.wrap_step(batch.runner.run)
-    batch._decode = timer.wrap("decode", batch._decode)
-    engine._prefill = timer.wrap("prefill", engine._prefill)
+    batch._decode = timed(timer.seconds, "decode", batch._decode)
+    engine._prefill = timed(timer.seconds, "prefill", engine._prefill)
 
 
 def scenario(
@@ -116,14 +104,8 @@ def scenario(
 
 def render(report: dict[str, Any]) -> str:
     """The Markdown report."""
-    lines = ["# Where the engine's closed-loop time goes", "", f"Command: `{report['command']}`", ""]
-    m = report["machine"]
-    machine = (
-        f"{m['cpu_model']}, {m['cpu_cores']} cores, {m['memory_gib']} GiB, load at start "
-        f"{', '.join(f'{x:.2f}' for x in m['loadavg_at_start'] or [])}, commit {str(m['git_commit'])[:7]}, "
-        f"torch {m['versions'].get('torch')}"
-    )
-    lines += [f"Machine: {machine}", "", f"Engine: {report['engine']}", ""]
+    lines = report_header("Where the engine's closed-loop time goes", report)
+    lines += [f"Engine: {report['engine']}", ""]
     lines += ["| streams | audio-s per wall-s | wall s | token steps | audio decode | prefill | other |"]
     lines += ["|---|---|---|---|---|---|---|"]
     for s in report["scenarios"]:
@@ -149,10 +131,7 @@ def main() -> int:
     engine, load_s = load_engine(args)
     timer = PartTimer()
     instrument(engine, timer)
-    max_tokens = inproc.cap_tokens(args.max_audio_s)
-    loop = ClosedLoop(
-        engine, inproc.texts_from(args), max_tokens=max_tokens, segment_max_chars=args.segment_max_chars
-    )
+    loop = closed_loop(engine, args)
     scenarios = [scenario(loop, timer, c, args) for c in inproc.concurrencies(args)]
     extra = engine.info.extra
     engine_facts = ", ".join(
@@ -162,8 +141,10 @@ def main() -> int:
     engine.close()
     out: Path = args.out
     report = {
-        "command": "python -m bench.engine_split " + shlex.join(sys.argv[1:]),
+        "command": command("bench.engine_split"),
         "machine": describe_machine(),
+        "torch_threads": torch.get_num_threads(),
+        "shared_machine": "not stated (the load average at start says what else ran)",
         "engine": f"{engine_facts}, load and warm-up {load_s:.0f} s",
         "load_s": load_s,
         "scenarios": scenarios,

@@ -19,7 +19,9 @@ then reads them without a conversion, which made it about twice as fast as conve
 slices on every step. Compiled, inductor fuses the conversion into the attention's reads, so
 bf16 slots halve both the memory and the bytes every step reads: at 8 rows over 320
 positions the 20 layers' attention took 12.7 ms against 17.2 ms from float32 slots (EPYC,
-2 threads). No value changes: the keys and values are bf16 when the step makes them.
+2 threads). No value changes: the keys and values are bf16 when the step makes them. A compiled
+step that gives way to the eager one at warm-up keeps its bf16 slots (the eager attention then
+converts them: correct, a little slower).
 
 A token step covers slots ``[0, b)`` for ``b`` in :func:`batch_buckets` and
 attends over positions ``[0, length)`` for ``length`` in
