@@ -4,35 +4,23 @@ bench/results/cpu_memory.md and cpu_placement_*.md still run (issue #23)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
-
-
-def _run(module: str, *args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=840,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_cpu_memory_bench_measures_a_server_and_the_engines_rows(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "memory"
-    _run(
+    run_ok(
         "bench.cpu_memory", "--model-dir", str(tiny_model_dir), "--streams", "2", "--duration", "2",
         "--grace-s", "5", "--rows", "2", "--row-tokens", "40", "--out", str(out),
+        timeout=840,
     )  # fmt: skip
     report = json.loads(out.with_suffix(".json").read_text())
     [server] = report["servers"]
@@ -47,9 +35,10 @@ def test_cpu_memory_bench_measures_a_server_and_the_engines_rows(
 
 def test_placement_bench_interleaves_a_server_and_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "placement"
-    _run(
+    run_ok(
         "bench.placement", "--model-dir", str(tiny_model_dir), "--systems", "server t1 passive,engine t2",
         "--rounds", "2", "--seconds", "2", "--concurrency", "2", "--out", str(out),
+        timeout=840,
     )  # fmt: skip
     report = json.loads(out.with_suffix(".json").read_text())
     assert len(report["rounds"]) == 2

@@ -8,28 +8,24 @@ split, the profile, one server scenario with ``hello.compute``).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
 def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.cpu_realtime", "--model-dir", str(tiny_model_dir),
-            "--parts", "step,servers", "--systems", "after", "--concurrency", "1", "--duration", "1",
-            "--max-audio-s", "0.5", "--text-sizes", "short", "--step-rounds", "1", "--step-batches", "1,2",
-            "--step-iterations", "1", "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.cpu_realtime", "--model-dir", str(tiny_model_dir),
+        "--parts", "step,servers", "--systems", "after", "--concurrency", "1", "--duration", "1",
+        "--max-audio-s", "0.5", "--text-sizes", "short", "--step-rounds", "1", "--step-batches", "1,2",
+        "--step-iterations", "1", "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_name("cpu.json").read_text())
     rows = result["step"]["rows"]
     for name in (

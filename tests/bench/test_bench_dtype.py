@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
 def test_dtype_bench_writes_paired_results(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "dtype"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.dtype", "--model-dir", str(tiny_model_dir), "--batches", "1,2",
-            "--tokens", "8", "--rounds", "2", "--fidelity-tokens", "12", "--fidelity-cases", "2",
-            "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.dtype", "--model-dir", str(tiny_model_dir), "--batches", "1,2",
+        "--tokens", "8", "--rounds", "2", "--fidelity-tokens", "12", "--fidelity-cases", "2",
+        "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     for dtype in ("float32", "bfloat16"):
         for batch in ("1", "2"):

@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
 def test_engine_split_accounts_for_the_closed_loops_time(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "split"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.engine_split", "--model-dir", str(tiny_model_dir),
-            "--concurrency", "1,4", "--duration", "1.5", "--warm-s", "0.5", "--max-audio-s", "2",
-            "--threads", "2", "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.engine_split", "--model-dir", str(tiny_model_dir),
+        "--concurrency", "1,4", "--duration", "1.5", "--warm-s", "0.5", "--max-audio-s", "2",
+        "--threads", "2", "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert [s["concurrency"] for s in report["scenarios"]] == [1, 4]
     for s in report["scenarios"]:

@@ -8,24 +8,22 @@ where no GPU is: CI runs all of it here, small.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench.harness import run_ok
+
 pytest.importorskip("ChatTTS")
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.model  # the tiny ChatTTS model, on the CPU
 
 
 def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     prefix = tmp_path / "gpu-smoke"
-    argv = [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--smoke", "--budget-s", "400"]
+    argv = ["--device", "cpu", "--smoke", "--budget-s", "400"]
     argv += ["--cache-dir", str(tmp_path / "cache"), "--out", str(prefix)]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_ok("bench.gpu", *argv, timeout=600)
     results = json.loads(prefix.with_name("gpu-smoke.json").read_text())
     stages = results["stages"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(

@@ -7,27 +7,23 @@ ChatTTS's ``infer()`` was left out. "Before" and "after" are this tree twice her
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import REPO, run_ok
+
 pytestmark = pytest.mark.model
 
 
 def test_hotpath_without_native_writes_its_report(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "hotpath"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.hotpath", "--model-dir", str(tiny_model_dir), "--before", str(REPO),
-            "--no-native", "--concurrency", "4,8", "--slices", "1", "--slice-s", "0.3", "--ttfa", "1",
-            "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.hotpath", "--model-dir", str(tiny_model_dir), "--before", str(REPO),
+        "--no-native", "--concurrency", "4,8", "--slices", "1", "--slice-s", "0.3", "--ttfa", "1",
+        "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["raw"]["native"]["closed"] == {"4": [], "8": []}
     for system in ("before", "after"):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
@@ -17,14 +16,11 @@ def test_every_wait_setting_runs_in_a_child_of_its_own_alone_and_beside_a_busy_p
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "spin"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.omp_spin", "--model-dir", str(tiny_model_dir),
-            "--settings", "passive,spin 3000", "--hogs", "1", "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.omp_spin", "--model-dir", str(tiny_model_dir),
+        "--settings", "passive,spin 3000", "--hogs", "1", "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert list(rows) == ["passive", "spin 3000"]
     assert rows["passive"]["alone"]["env_seen"] == {"OMP_WAIT_POLICY": "PASSIVE"}

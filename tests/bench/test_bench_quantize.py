@@ -7,13 +7,12 @@ itself, that must give back float32's own codes exactly, or the measure measures
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
@@ -21,14 +20,11 @@ def test_quantize_bench_reproduces_float32_when_forced_along_its_own_codes(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "quantize"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.quantize", "--model-dir", str(tiny_model_dir),
-            "--configs", "float32,bfloat16+int8", "--tokens", "16", "--cases", "2", "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.quantize", "--model-dir", str(tiny_model_dir),
+        "--configs", "float32,bfloat16+int8", "--tokens", "16", "--cases", "2", "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert results["float32"]["forced_agreement"] == [1.0, 1.0]
     assert results["float32"]["first_divergent_step"] == [None, None]

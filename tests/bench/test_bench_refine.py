@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
 def test_refine_bench_writes_paired_results(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "refine"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.refine", "--model-dir", str(tiny_model_dir), "--dtype", "float32",
-            "--refine-tokens", "8,12", "--batches", "1,2", "--rounds", "2", "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.refine", "--model-dir", str(tiny_model_dir), "--dtype", "float32",
+        "--refine-tokens", "8,12", "--batches", "1,2", "--rounds", "2", "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.with_suffix(".json").read_text())
     for batch in ("1", "2"):
         runs = report["runs"][batch]

@@ -7,13 +7,11 @@ field, with sane values (time to first audio > 0, no errors, both formats).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
 
 STREAM_KEYS = {
     "job", "system", "format", "text_size", "text_lang", "ok", "reason", "errors", "capped", "cut",
@@ -34,15 +32,8 @@ def _check_distribution(dist: dict[str, Any], *, positive: bool = False) -> None
 def test_smoke_writes_complete_sane_results(tmp_path: Path) -> None:
     prefix = tmp_path / "smoke"
     began = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--out", str(prefix)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run_ok("bench", "--smoke", "--out", str(prefix), timeout=60)
     elapsed = time.monotonic() - began
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert elapsed < 20, f"smoke took {elapsed:.1f} s"
     results = json.loads(prefix.with_name("smoke.json").read_text())
     assert "| server | c1 | pcm16 |" in prefix.with_name("smoke.md").read_text()

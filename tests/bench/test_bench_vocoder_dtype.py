@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
+
 pytestmark = pytest.mark.model
 
 
@@ -18,15 +17,12 @@ def test_each_case_times_both_dtypes_and_measures_bfloat16_against_float32(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "vocoder"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "bench.vocoder_dtype", "--model-dir", str(tiny_model_dir),
-            "--rows", "1,2", "--tokens", "12,28", "--rounds", "2", "--hidden-tokens", "60",
-            "--out", str(out),
-        ],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    run_ok(
+        "bench.vocoder_dtype", "--model-dir", str(tiny_model_dir),
+        "--rows", "1,2", "--tokens", "12,28", "--rounds", "2", "--hidden-tokens", "60",
+        "--out", str(out),
+        timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.with_suffix(".json").read_text())["cases"]
     assert [(c["rows"], c["tokens"]) for c in cases] == [(1, 12), (1, 28), (2, 12), (2, 28)]
     for case in cases:

@@ -11,11 +11,10 @@ computed but not judged here: windows of a few seconds on a shared machine are n
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_module
+
 ATTACKS = ("memory", "resume_past_end", "tenancy", "tag_only")
 TOP_KEYS = {
     "schema", "created", "command", "machine", "config", "server", "attacks", "windows", "normal",
@@ -31,13 +30,8 @@ def test_chaos_smoke_keeps_every_normal_stream(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     flags = ["--duration-s", "16", "--attack-s", "4", "--quiet-s", "2", "--attacks", ",".join(ATTACKS)]
     flags += ["--ws-workers", "2", "--budget-mib", "64", "--margin-mib", "192", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", *flags],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,  # a bound for a loaded machine; the run's size keeps it short, not an assert
-    )
+    # The timeout is a bound for a loaded machine; the run's size keeps it short, not an assert.
+    proc = run_module("bench.chaos", *flags, timeout=280)
     # Exit 1 is allowed: the TTFA ratio of a few seconds is noise; the other checks are asserted below.
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     results = json.loads(out.with_name("chaos.json").read_text())

@@ -10,11 +10,9 @@ here: a run of a few seconds is all warm-up.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_module
 
 TOP_KEYS = {
     "schema", "created", "command", "machine", "config", "server", "load_wall_s", "requests_per_s",
@@ -47,13 +45,8 @@ def test_soak_smoke_accounts_for_every_stream(tmp_path: Path) -> None:
     # A 2 s TTL: with 0.5 s a resume after a pause on a loaded 2-core machine could arrive too late.
     flags += " --sample-interval-s 0.2 --window-s 1 --seed 3"
     argv = [*flags.split(" "), "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.soak", *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,  # a bound for a loaded machine; the smoke's size keeps it short, not an assert
-    )
+    # The timeout is a bound for a loaded machine; the smoke's size keeps it short, not an assert.
+    proc = run_module("bench.soak", *argv, timeout=240)
     # Exit 1 is allowed: a few seconds of load cannot show flat RSS; the other checks are asserted below.
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     assert out.exists(), proc.stderr[-3000:]

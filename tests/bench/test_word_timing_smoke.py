@@ -8,24 +8,14 @@ baselines hold here as in the committed bench/results/word_timing.md.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.harness import run_ok
 
 
 def test_word_timing_writes_its_report_and_beats_the_baselines(tmp_path: Path) -> None:
     out = tmp_path / "wt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.word_timing", "--rates", "180", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ok("bench.word_timing", "--rates", "180", "--out", str(out), timeout=240)
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["command"] == f"python -m bench.word_timing --rates 180 --out {out}"
     assert record["reference_check"]["pause_rms_max"] == 0.0  # espeak-ng's pauses are silent
