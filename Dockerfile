@@ -106,7 +106,8 @@ COPY . .
 RUN TORCH_SPEC="${TORCH_SPEC}" scripts/setup.sh && rm -rf /var/lib/apt/lists/*
 # `--compile-step on` (CHATTTS_COMPILE_STEP=on) compiles the CPU token step with inductor,
 # which builds its kernels with a C++ compiler: without g++ the server would step eagerly.
-# Inductor's cache goes on the weights volume, so a restart reuses the compiled kernels.
+# It also builds the step's C++ attention (server/engine/chattts/step/csrc, with ninja from
+# the venv). Both caches go on the weights volume, so a restart reuses what was compiled.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
@@ -114,6 +115,7 @@ RUN apt-get update \
 ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     HOME=/home/app \
     TORCHINDUCTOR_CACHE_DIR=/models/inductor \
+    TORCH_EXTENSIONS_DIR=/models/torch_extensions \
     CHATTTS_HOST=0.0.0.0 \
     CHATTTS_PORT=8080 \
     CHATTTS_HTTP_PORT=8081 \

@@ -226,6 +226,8 @@ def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
         runner = engine._batch.runner
         assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
         assert engine.info.extra["token_step"] == "compiled"
+        # batches of rows attend through the C++ operator that reads each row only as far as it reaches
+        assert engine.info.extra["attention"] == "step_attention"
         assert engine.info.extra["projections"] == ("w8a8" if quantize == "w8a8" else "dense")
         assert "token_step_fallback" not in engine.info.extra
         compiled = _join_pause_leave(engine)  # batch 1 to 4, lengths growing, rows joining and leaving

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from server.engine.chattts.decode import DecodeWindow, StreamDecoder
+from server.engine.chattts.step import decode_attention
 from server.engine.chattts.step.compiled import CompiledRunner
 from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
 from server.engine.chattts.step.kv import (
@@ -41,6 +42,7 @@ from server.engine.chattts.step.kv import (
     kv_dtype,
     length_buckets,
 )
+from server.engine.chattts.step.llama import Attention
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
 from server.engine.chattts.vocode import vocoder_dtype as vocoder_dtype_of
@@ -165,6 +167,7 @@ class SlotBatch:
             min_tokens=min_tokens,
             repetition_penalty=repetition_penalty,
             dtype=dtype,
+            attend=self._attention(compiled),
         )
         self.vocoder = vocoder
         if step_runner is not None:
@@ -178,6 +181,13 @@ class SlotBatch:
         #: Why the chosen runner gave way to the eager step at warm-up (``None``: it did not).
         self.runner_fallback: str | None = None
         self.runner_prepared = False
+
+    @staticmethod
+    def _attention(compiled: bool) -> Attention | None:
+        """The compiled CPU step's attention reads each row only as far as it reaches, where it builds."""
+        if compiled and decode_attention.load():
+            return decode_attention.step_attention
+        return None
 
     def prepare_runner(self, shapes: list[tuple[int, int]]) -> None:
         """Prepare the runner at every shape; if a capturing runner fails, step eagerly instead.
@@ -207,6 +217,7 @@ class SlotBatch:
             "kv_max_len": str(self.layout.max_len),
             "kv_cache_bytes": str(self.kv.nbytes),
             "token_step": self.runner.kind,
+            "attention": getattr(self.token_step.attend, "__name__", "custom"),
             "vocoder_dtype": str(self.vocoder.dtype).removeprefix("torch."),
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
             "length_buckets": ",".join(map(str, self.length_buckets)),

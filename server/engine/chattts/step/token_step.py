@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from server.engine.chattts.step.kv import SlotKV
-from server.engine.chattts.step.llama import attention_for, decode_layers, forward_layers
+from server.engine.chattts.step.llama import Attention, attention_for, decode_layers, forward_layers
 from server.engine.chattts.step.sampling import (
     MIN_TEMPERATURE,
     PENALTY_WINDOW,
@@ -162,6 +162,7 @@ class TokenStep:
         min_tokens: EOS is banned before this many tokens.
         repetition_penalty: ChatTTS's penalty over the last 16 codes.
         dtype: the Llama's dtype.
+        attend: the attention (default: :func:`~server.engine.chattts.step.llama.attention_for` the device).
     """
 
     def __init__(
@@ -176,12 +177,13 @@ class TokenStep:
         min_tokens: int,
         repetition_penalty: float,
         dtype: torch.dtype,
+        attend: Attention | None = None,
     ) -> None:
         self.llama, self.kv, self.state = llama, kv, state
         self.head_w, self.code_w = head_w, code_w
         self.eos, self.min_tokens, self.dtype = eos, min_tokens, dtype
         self.repetition_penalty = repetition_penalty
-        self.attend = attention_for(state.hidden.device)
+        self.attend = attend or attention_for(state.hidden.device)
         self.block = int(state.pending_hidden.shape[1])
 
     def __call__(self, b: int, length: int) -> None:

@@ -1,0 +1,111 @@
+"""The CPU step's attention as one C++ operator that reads each row only as far as it reaches.
+
+The token step attends every row of the batch over the longest row's length bucket
+(:mod:`server.engine.chattts.step.kv`): a closed set of shapes, which the compiled step and
+CUDA graphs need. But at eight streams the rows are of every age, so a dense attention reads
+each row's keys and values far past the row's own end, masked, and on a CPU those bytes are
+the attention's cost (``bench/results/attention_cpu.md``: 157 MB per step at 8 × 320
+positions, 10 ms). ``chattts_stream::decode_attention`` (``csrc/decode_attention.cpp``) keeps
+the step's shapes and its mask, and computes :func:`~server.engine.chattts.step.llama.math_attention`'s
+arithmetic (float32 scores, softmax, weighted sum) per row and head, stopping at the row's
+last unmasked position. Inductor calls it as an opaque operator, so it is used only where
+the slot views reach it unconverted: the CPU's compiled step (``--compile-step on``), at
+batches of two rows or more (:func:`step_attention`).
+
+It is built with PyTorch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
+compiler and ninja, which the compiled step needs anyway) the first time a process asks for it,
+and cached in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``): about a
+minute on two cores the first time, a load afterwards. A build that fails is logged once and
+the step keeps :func:`~server.engine.chattts.step.llama.math_attention` (the same values, slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from server.engine.chattts.step.llama import math_attention
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+NAME = "chattts_stream_decode_attention"
+OPERATOR = "chattts_stream::decode_attention"
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _register_fake() -> None:
+    """Shapes for tracing: the output is ``q``'s shape, contiguous (as the kernel returns it)."""
+
+    @torch.library.register_fake(OPERATOR)  # type: ignore[untyped-decorator]
+    def _fake(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return q.new_empty(q.shape)
+
+
+def load() -> bool:
+    """Build (or load from the cache) and register the operator; False, logged, where it cannot be."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = build(SOURCE, NAME)
+            if _state["loaded"]:
+                _register_fake()
+        return _state["loaded"]
+
+
+def build(source: Path, name: str) -> bool:
+    """Compile ``source`` as the extension ``name`` and load it into this process; False, logged, if not."""
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        load_extension(
+            name=name,
+            sources=[str(source)],
+            # at::parallel_for is OpenMP in PyTorch's builds, and a pragma without -fopenmp is
+            # silently one thread. The library it links, libgomp.so.1, is the one torch loaded.
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:
+        log.warning("the C++ decode attention could not be built (%s); the step uses math_attention", exc)
+        return False
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`~server.engine.chattts.step.llama.math_attention`, each row read up to its mask's end.
+
+    Args:
+        q: ``(b, heads, 1, dim)``.
+        keys: ``(b, kv_heads, length, dim)`` bf16 or float32, the head dimension contiguous.
+        values: as ``keys``.
+        mask: ``(b, 1, 1, length)`` bool, True where a row may attend.
+        scale: the scores' factor.
+    """
+    result: torch.Tensor = torch.ops.chattts_stream.decode_attention(q, keys, values, mask, scale)
+    return result
+
+
+def step_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The compiled CPU step's attention: :func:`decode_attention` for a batch, the dense form for one row.
+
+    One row has nothing to skip (it is the longest row), and there inductor's fused loop costs
+    less than an operator call per layer (20 layers at 128 positions: 0.33 against 0.42 ms,
+    ``bench/results/attention_cpu.md``). Under ``torch.compile`` the test is on the batch
+    size, which dynamo specializes at 1 anyway: no graph is added.
+    """
+    if q.shape[0] == 1:
+        return math_attention(q, keys, values, mask, scale)
+    return decode_attention(q, keys, values, mask, scale)
