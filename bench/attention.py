@@ -1,6 +1,6 @@
 """The compiled CPU step's single-query attention against reading the same bytes (issue #23).
 
-``python -m bench.attention --shapes 1x128,8x320 --threads 2 --out bench/results/attention_cpu``
+``python -m bench.attention --shapes 1x128,4x256,8x320 --threads 2 --out bench/results/attention_cpu``
 
 At eight streams the token step reads two things from memory: the GPT's weights and every
 row's keys and values up to the attention length (the longest row's bucket). This bench
@@ -9,13 +9,20 @@ measures the second alone, in the layout the engine keeps them in (:class:`SlotK
 
 * ``attention``: the step's own :func:`~server.engine.chattts.step.llama.math_attention` over
   ``--layers`` layers, compiled by inductor as the step is (``torch.compile``, dynamic shapes);
+* ``decode_attention``: the C++ operator the compiled step calls at batches of two rows or
+  more (:mod:`server.engine.chattts.step.decode_attention`), which reads each row only up to
+  its own last unmasked position, compiled the same way;
 * ``read``: the same slot views only read (each converted to float32 and summed), compiled
   the same way: what a loop over those bytes costs here with no attention arithmetic;
 
-both given the slots as arguments (not constants inductor could fold), timed round by round
+all given the slots as arguments (not constants inductor could fold), timed round by round
 (interleaved; the best round's median is reported, since a shared machine only adds time).
-The bytes are ``2 · layers · batch · heads · length · head_dim · 2``; GB/s is bytes over the
-median time. ``attention / read`` says how far the attention is from the bytes' cost.
+The rows are of different ages, as at eight streams: row ``r`` of ``b`` attends the first
+``length · (1 − ¾ · r / (b − 1))`` positions (the first row is the longest, the last a quarter
+of it). The bytes are ``2 · layers · batch · heads · length · head_dim · 2``, what a dense
+attention reads; the rows' own positions are a part of that (``reached``). GB/s is the dense
+bytes over the median time. ``attention / read`` says how far the dense attention is from the
+bytes' cost, ``operator / attention`` what reading each row only as far as it reaches buys.
 
 Writes ``OUT.json`` and ``OUT.md``.
 """
@@ -33,10 +40,11 @@ import torch
 
 from bench.engine_bench import command, report_header
 from bench.machine import describe_machine
+from server.engine.chattts.step import decode_attention
 from server.engine.chattts.step.kv import SlotKV, kv_dtype
 from server.engine.chattts.step.llama import math_attention
 
-PARTS = ("attention", "read")
+PARTS = ("attention", "decode_attention", "read")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -56,6 +64,23 @@ def attend_layers(
     for k, v in zip(keys, values, strict=True):
         out = math_attention(out, k[:b, :, :length], v[:b, :, :length], mask, 0.125)
     return out
+
+
+def operator_layers(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The C++ operator once per layer over the same views: each row read up to its mask's end."""
+    b, out = q.shape[0], q
+    for k, v in zip(keys, values, strict=True):
+        out = decode_attention.decode_attention(out, k[:b, :, :length], v[:b, :, :length], mask, 0.125)
+    return out
+
+
+def row_ends(batch: int, length: int) -> list[int]:
+    """Each row's attended positions: the first row the whole length, the last a quarter of it."""
+    if batch == 1:
+        return [length]
+    return [round(length * (1 - 0.75 * r / (batch - 1))) for r in range(batch)]
 
 
 def read_layers(
@@ -78,7 +103,9 @@ def _median_ms(fn: Callable[[], Any], iterations: int) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Compile both parts, time every shape for ``--rounds`` rounds, return the rows."""
+    """Compile every part, time every shape for ``--rounds`` rounds, return the rows."""
+    if not decode_attention.load():
+        raise SystemExit("the C++ decode attention did not build here (see the log)")
     shapes = parse_shapes(args.shapes)
     dtype = kv_dtype(torch.bfloat16, torch.device("cpu"), compiled=True)
     kv = SlotKV(
@@ -93,10 +120,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     widest, longest = max(b for b, _ in shapes), max(n for _, n in shapes)
     for buffer in (*kv.keys, *kv.values):  # random, as live rows hold: untouched pages read as zeros
-        part = buffer[:widest, :, :longest]
-        part.copy_(torch.randn(part.shape, generator=generator).to(dtype))
+        filled = buffer[:widest, :, :longest]
+        filled.copy_(torch.randn(filled.shape, generator=generator).to(dtype))
     compiled = {
         "attention": torch.compile(attend_layers, dynamic=True),
+        "decode_attention": torch.compile(operator_layers, dynamic=True),
         "read": torch.compile(read_layers, dynamic=True),
     }
     inputs = {}
@@ -104,8 +132,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for batch, length in shapes:
             q = torch.randn(batch, args.heads, 1, args.head_dim, generator=generator).to(torch.bfloat16)
-            mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
-            mask[..., length - length // 8 :] = False  # the rows shorter than the longest: masked tails
+            ends = torch.tensor(row_ends(batch, length)).view(batch, 1)
+            mask = (torch.arange(length).unsqueeze(0) < ends).view(batch, 1, 1, length)
             inputs[(batch, length)] = (q, mask)
             for part, fn in compiled.items():
                 began = time.perf_counter()
@@ -126,7 +154,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for batch, length in shapes:
         nbytes = 2 * args.layers * batch * args.heads * length * args.head_dim * dtype.itemsize
-        row: dict[str, Any] = {"batch": batch, "length": length, "bytes": nbytes}
+        reached = nbytes * sum(row_ends(batch, length)) // (batch * length)
+        row: dict[str, Any] = {"batch": batch, "length": length, "bytes": nbytes, "reached_bytes": reached}
         for part in PARTS:
             best = min(rounds[f"{part} {batch}x{length}"])
             row[part] = {
@@ -135,6 +164,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "rounds_ms": rounds[f"{part} {batch}x{length}"],
             }
         row["attention_over_read"] = row["attention"]["ms"] / row["read"]["ms"]
+        row["operator_over_attention"] = row["decode_attention"]["ms"] / row["attention"]["ms"]
         rows.append(row)
     return {"kv_dtype": str(dtype).removeprefix("torch."), "rows": rows, "first_call_s": compile_s}
 
@@ -148,14 +178,17 @@ def render(report: dict[str, Any]) -> str:
         f"{cfg['slots']} slots of {cfg['max_len']} positions; best of {cfg['rounds']} rounds, "
         f"median of {cfg['iterations']} calls each.",
         "",
-        "| batch | attention length | MB read | attention ms | GB/s | read ms | GB/s | attention / read |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | attention length | MB (dense) | MB (rows' own) | attention ms | GB/s | read ms | GB/s "
+        "| attention / read | operator ms | operator / attention |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
-        att, read = row["attention"], row["read"]
+        att, read, op = row["attention"], row["read"], row["decode_attention"]
         lines.append(
-            f"| {row['batch']} | {row['length']} | {row['bytes'] / 1e6:.1f} | {att['ms']:.2f} | "
-            f"{att['gb_s']:.1f} | {read['ms']:.2f} | {read['gb_s']:.1f} | {row['attention_over_read']:.2f} |"
+            f"| {row['batch']} | {row['length']} | {row['bytes'] / 1e6:.1f} "
+            f"| {row['reached_bytes'] / 1e6:.1f} "
+            f"| {att['ms']:.2f} | {att['gb_s']:.1f} | {read['ms']:.2f} | {read['gb_s']:.1f} "
+            f"| {row['attention_over_read']:.2f} | {op['ms']:.2f} | {row['operator_over_attention']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -165,7 +198,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--shapes", default="1x128,8x320", help="BATCHxLENGTH, comma-separated")
+    parser.add_argument("--shapes", default="1x128,4x256,8x320", help="BATCHxLENGTH, comma-separated")
     parser.add_argument("--layers", type=int, default=20, help="ChatTTS's GPT: 20")
     parser.add_argument("--heads", type=int, default=12, help="key/value heads (ChatTTS's GPT: 12)")
     parser.add_argument("--head-dim", type=int, default=64)

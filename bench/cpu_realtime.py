@@ -56,6 +56,7 @@ SYSTEMS: dict[str, tuple[list[str], str]] = {
     "after-compiled": (["--compile-step", "on"], "after"),  # --compile-step: minutes of warm-up
     "after-compiled-int8": (["--compile-step", "on", "--quantize", "int8"], "after"),
     "after-compiled-w8a8": (["--compile-step", "on", "--quantize", "w8a8"], "after"),
+    "before-compiled-w8a8": (["--compile-step", "on", "--quantize", "w8a8"], "before"),
 }
 #: The in-process engine each server is compared with at c8: name → its extra flags.
 ENGINES: dict[str, list[str]] = {

@@ -1,4 +1,4 @@
-"""``python -m bench.attention`` at small shapes: the compiled attention and the bare read, per shape."""
+"""``python -m bench.attention`` at small shapes: the dense attention, the C++ operator and the bare read."""
 
 from __future__ import annotations
 
@@ -24,10 +24,16 @@ def test_attention_bench_times_both_parts_at_every_shape(tmp_path: Path) -> None
     for row in report["rows"]:
         # keys and values, every layer, head and position of the batch's rows, 2 bytes each
         assert row["bytes"] == 2 * 2 * row["batch"] * 2 * row["length"] * 8 * 2
-        for part in ("attention", "read"):
+        for part in ("attention", "decode_attention", "read"):
             assert len(row[part]["rounds_ms"]) == 2
             assert row[part]["ms"] == min(row[part]["rounds_ms"]) > 0
             assert row[part]["gb_s"] == pytest.approx(row["bytes"] / row[part]["ms"] / 1e6)
         assert row["attention_over_read"] == pytest.approx(row["attention"]["ms"] / row["read"]["ms"])
+        assert row["operator_over_attention"] == pytest.approx(
+            row["decode_attention"]["ms"] / row["attention"]["ms"]
+        )
+    # rows of every age: 3 rows over 40 positions attend 40, 25 and 10 of them
+    assert report["rows"][1]["reached_bytes"] == report["rows"][1]["bytes"] * (40 + 25 + 10) // 120
+    assert report["rows"][0]["reached_bytes"] == report["rows"][0]["bytes"]
     md = out.with_suffix(".md").read_text()
     assert "| 3 | 40 |" in md and "python -m bench.attention" in md

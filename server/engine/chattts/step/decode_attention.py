@@ -101,10 +101,13 @@ def step_attention(
 ) -> torch.Tensor:
     """The compiled CPU step's attention: :func:`decode_attention` for a batch, the dense form for one row.
 
-    One row has nothing to skip (it is the longest row), and there inductor's fused loop costs
-    less than an operator call per layer (20 layers at 128 positions: 0.33 against 0.42 ms,
-    ``bench/results/attention_cpu.md``). Under ``torch.compile`` the test is on the batch
-    size, which dynamo specializes at 1 anyway: no graph is added.
+    One row has nothing to skip (it is the longest row), and there the two forms are within
+    this machine's noise of each other (20 layers at 128 positions: 0.78 against 0.61 ms in
+    ``bench/results/attention_cpu.md``, 0.42 against 0.33 the other way round with static
+    shapes, ad hoc), so a single stream keeps the dense form it was measured end to end with.
+    At a batch the operator reads about half the bytes (0.50-0.55 of the dense time at 4 and
+    8 rows of every age). Under ``torch.compile`` the test is on the batch size, which dynamo
+    specializes at 1 anyway: no graph is added.
     """
     if q.shape[0] == 1:
         return math_attention(q, keys, values, mask, scale)
