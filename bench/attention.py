@@ -42,7 +42,7 @@ from bench.engine_bench import command, report_header
 from bench.machine import describe_machine
 from server.engine.chattts.step import decode_attention
 from server.engine.chattts.step.kv import SlotKV, kv_dtype
-from server.engine.chattts.step.llama import math_attention
+from server.engine.chattts.step.llama import Attention, math_attention
 
 PARTS = ("attention", "decode_attention", "read")
 
@@ -56,24 +56,18 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def attend_layers(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The step's attention once per layer over slots ``[0, b)`` and positions ``[0, length)``."""
-    b, out = q.shape[0], q
-    for k, v in zip(keys, values, strict=True):
-        out = math_attention(out, k[:b, :, :length], v[:b, :, :length], mask, 0.125)
-    return out
+def over_layers(attend: Attention) -> Callable[..., torch.Tensor]:
+    """``attend`` once per layer over slots ``[0, b)`` and positions ``[0, length)``, as the step does."""
 
+    def run(
+        q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        b, out = q.shape[0], q
+        for k, v in zip(keys, values, strict=True):
+            out = attend(out, k[:b, :, :length], v[:b, :, :length], mask, 0.125)
+        return out
 
-def operator_layers(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The C++ operator once per layer over the same views: each row read up to its mask's end."""
-    b, out = q.shape[0], q
-    for k, v in zip(keys, values, strict=True):
-        out = decode_attention.decode_attention(out, k[:b, :, :length], v[:b, :, :length], mask, 0.125)
-    return out
+    return run
 
 
 def row_ends(batch: int, length: int) -> list[int]:
@@ -123,8 +117,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         filled = buffer[:widest, :, :longest]
         filled.copy_(torch.randn(filled.shape, generator=generator).to(dtype))
     compiled = {
-        "attention": torch.compile(attend_layers, dynamic=True),
-        "decode_attention": torch.compile(operator_layers, dynamic=True),
+        "attention": torch.compile(over_layers(math_attention), dynamic=True),
+        "decode_attention": torch.compile(over_layers(decode_attention.decode_attention), dynamic=True),
         "read": torch.compile(read_layers, dynamic=True),
     }
     inputs = {}
