@@ -42,7 +42,6 @@ from server.engine.chattts.step.kv import (
     kv_dtype,
     length_buckets,
 )
-from server.engine.chattts.step.llama import Attention
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
 from server.engine.chattts.vocode import vocoder_dtype as vocoder_dtype_of
@@ -167,7 +166,8 @@ class SlotBatch:
             min_tokens=min_tokens,
             repetition_penalty=repetition_penalty,
             dtype=dtype,
-            attend=self._attention(compiled),
+            # compiled on the CPU: batches read each row only as far as it reaches, where it builds
+            attend=decode_attention.step_attention if compiled and decode_attention.load() else None,
         )
         self.vocoder = vocoder
         if step_runner is not None:
@@ -181,13 +181,6 @@ class SlotBatch:
         #: Why the chosen runner gave way to the eager step at warm-up (``None``: it did not).
         self.runner_fallback: str | None = None
         self.runner_prepared = False
-
-    @staticmethod
-    def _attention(compiled: bool) -> Attention | None:
-        """The compiled CPU step's attention reads each row only as far as it reaches, where it builds."""
-        if compiled and decode_attention.load():
-            return decode_attention.step_attention
-        return None
 
     def prepare_runner(self, shapes: list[tuple[int, int]]) -> None:
         """Prepare the runner at every shape; if a capturing runner fails, step eagerly instead.
