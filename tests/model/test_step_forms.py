@@ -265,6 +265,26 @@ def test_the_compiled_cpu_step_keeps_its_slots_in_the_model_dtype(tiny_model_dir
         compiled.close()
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's compiled step")
+def test_the_compiled_step_attends_densely_where_its_cpp_attention_does_not_build(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator is an optimisation: a machine that cannot build it still serves, and says so."""
+    from server.engine.chattts.step import decode_attention
+
+    eager, built = _bf16_engine(tiny_model_dir), _bf16_engine(tiny_model_dir, compile_step=True)
+    monkeypatch.setattr(decode_attention, "load", lambda: False)
+    unbuilt = _bf16_engine(tiny_model_dir, compile_step=True)
+    try:
+        assert eager.info.extra["attention"] == "math_attention"
+        assert built.info.extra["attention"] == "step_attention"
+        assert unbuilt.info.extra["attention"] == "math_attention"
+        assert unbuilt._batch.token_step.attend is not decode_attention.step_attention
+    finally:
+        for engine in (eager, built, unbuilt):
+            engine.close()
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's slot dtype")
 def test_bf16_slots_hold_the_bf16_step_exactly(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step's keys and values are bf16 when it makes them: bf16 slots give the same tokens.
