@@ -14,8 +14,8 @@ batches of two rows or more (:func:`step_attention`).
 
 It is built with PyTorch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
 compiler and ninja, which the compiled step needs anyway) the first time a process asks for it,
-and cached in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``): about a
-minute on two cores the first time, a load afterwards. A build that fails is logged once and
+and cached in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``): about 12 s
+on two cores the first time, a load afterwards. A build that fails is logged once and
 the step keeps :func:`~server.engine.chattts.step.llama.math_attention` (the same values, slower).
 """
 

@@ -24,13 +24,12 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+inline float to_float(uint16_t bf16_bits) {
+  uint32_t wide = static_cast<uint32_t>(bf16_bits) << 16;
   float value;
   std::memcpy(&value, &wide, sizeof value);
   return value;
 }
-inline float to_float(uint16_t bits) { return bf16_to_float(bits); }
 inline float to_float(float value) { return value; }
 inline float to_float(at::BFloat16 value) { return static_cast<float>(value); }
 
@@ -257,13 +256,20 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // The mask may be broadcast over rows or positions (stride 0): it is read through its strides.
   const int64_t m_row = mask.size(0) == 1 ? 0 : mask.stride(0), m_col = mask.size(3) == 1 ? 0 : mask.stride(3);
 
+  // Each row reads up to its last kept position, never past it: found once per row, for all its heads.
+  std::vector<int64_t> reach(static_cast<size_t>(batch));
+  for (int64_t r = 0; r < batch; ++r) {
+    const bool* keep = m_data + r * m_row;
+    int64_t n = length;
+    while (n > 0 && !keep[(n - 1) * m_col]) --n;
+    reach[r] = n;
+  }
+
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_row(static_cast<size_t>(dim)), o_row(static_cast<size_t>(dim));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / heads, h = item % heads, hk = h / groups;
       const bool* keep = m_data + r * m_row;
-      int64_t reach = length;  // each row reads up to its last kept position, never past it
-      while (reach > 0 && !keep[(reach - 1) * m_col]) --reach;
       const Q* q_src = q_data + r * q.stride(0) + h * q.stride(1);
       for (int64_t j = 0; j < dim; ++j) q_row[j] = to_float(q_src[j * q.stride(3)]);
       const Item<T> it{q_row.data(),
@@ -274,7 +280,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
                        dim,
                        keep,
                        m_col,
-                       reach,
+                       reach[r],
                        scale};
       attend(isa, it, o_row.data());
       Q* o_dst = o_data + item * dim;
