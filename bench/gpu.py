@@ -159,13 +159,17 @@ def stage_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
     if proc.returncode != 0 and not counts.get("failed") and not counts.get("error"):
         raise RuntimeError(f"pytest exited {proc.returncode}: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
-    return {
+    result = {
         "command": shlex.join(argv),
         "returncode": proc.returncode,
         "summary": summary,
         "counts": counts,
         "failures": failures,
     }
+    if failures:  # the first failures' tracebacks: a GPU is lent rarely, the why must come back with it
+        first = proc.stdout.find("= FAILURES =")
+        result["failure_text"] = proc.stdout[first:][:6000] if first >= 0 else proc.stdout[-6000:]
+    return result
 
 
 def stage_step(args: argparse.Namespace, limit: float, workdir: Path) -> dict[str, Any]:
