@@ -144,7 +144,13 @@ def stage_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
         selection = [
             "tests/model/test_chattts_static.py::test_slots_are_the_batch_limit_and_memory_is_stated"
         ]
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    # -v: every test's name and verdict as it finishes, so a run cut at its limit still says
+    # which failed; a module that cannot be imported there (a missing dev package) costs only
+    # its own tests.
+    argv = [
+        sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+        "--continue-on-collection-errors", *selection,
+    ]  # fmt: skip
     env = {**os.environ, "CHATTTS_TEST_DEVICE": args.device, "HF_HUB_OFFLINE": "1"}
     try:
         proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit)

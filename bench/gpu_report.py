@@ -70,7 +70,10 @@ def render(results: dict[str, Any]) -> str:
     ]
     for name, s in stages.items():
         note = s.get("error") or s.get("why") or s.get("summary") or ""
-        lines.append(f"| {name} | {s['status']} | {s.get('elapsed_s', '')} | {str(note)[:160]} |")
+        # A table cell holds one line: an error's traceback keeps its last line (the exception).
+        text = str(note).strip().splitlines()
+        cell = (text[-1] if s.get("error") and text else " ".join(text)).replace("|", "/")[:160]
+        lines.append(f"| {name} | {s['status']} | {s.get('elapsed_s', '')} | {cell} |")
     lines += [
         "",
         "## Targets (H200 class, issue #15)",

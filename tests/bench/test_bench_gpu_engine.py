@@ -1,0 +1,30 @@
+"""``python -m bench.gpu_engine`` on the CPU with the tiny model: the GPU profile cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.bench.harness import run_ok
+
+
+def test_gpu_engine_reports_loops_split_and_profile(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gpu_engine"
+    run_ok(
+        "bench.gpu_engine", "--model-dir", tiny_model_dir, "--device", "cpu", "--max-batch", "4",
+        "--levels", "1,4", "--seconds", "1", "--profile-blocks", "1", "--low", "20", "--span", "10",
+        "--out", out,
+    )  # fmt: skip
+    report = json.loads(out.with_name("gpu_engine.json").read_text())
+    assert set(report["closed"]) == {"1", "4"}
+    for loop in report["closed"].values():
+        assert loop["audio_s"] > 0 and loop["jobs_started"] >= 1
+        assert loop["audio_s_per_wall_s"] == loop["audio_s"] / loop["wall_s"]
+    for batch in ("1", "4"):
+        parts = report["blocks"][batch]
+        # the parts and the rest add up to the block's time per token step
+        explained = sum(v for k, v in parts.items() if k != "total")
+        assert abs(explained - parts["total"]) < 0.01
+        assert parts["llama"] > 0
+    assert "Self CPU time total" in report["profile"]["host"]
+    assert "| 4 |" in out.with_name("gpu_engine.md").read_text()
