@@ -157,6 +157,9 @@ def load_engine(args: Any) -> tuple[Any, float]:
         dtype=args.dtype,
         num_threads=args.threads or None,
         options=EngineOptions(
+            # One KV slot per stream of the largest level (never fewer than the server's default):
+            # a level above the default would otherwise fail on its 17th stream.
+            max_batch=max([EngineOptions().max_batch, *inproc.concurrencies(args)]),
             block_schedule=blocks,
             quantize=args.quantize,
             compile_step=args.compile_step == "on",

@@ -1,0 +1,24 @@
+"""``python -m bench.engine_direct``: a level above the engine's default slot count still runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.bench.harness import run_ok
+
+
+def test_engine_direct_gives_every_stream_of_its_largest_level_a_slot(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "direct.json"
+    run_ok(
+        "bench.engine_direct", "--model-dir", tiny_model_dir, "--concurrency", "17", "--duration", "1",
+        "--max-streams", "17", "--max-audio-s", "0.5", "--threads", "1", "--out", out,
+        timeout=600,
+    )  # fmt: skip
+    (scenario,) = json.loads(out.read_text())["scenarios"]
+    assert scenario["concurrency"] == 17
+    records = scenario["records"]
+    assert len(records) == 17  # 17 streams ran at once: the 17th found a KV slot (default: 16)
+    assert all(r["reason"] == "complete" or r["cut"] for r in records)
