@@ -141,4 +141,17 @@ def render(results: dict[str, Any]) -> str:
                 f"| {c} | {_ms(p['ttfa_p50_s'])} / {_ms(p['ttfa_p99_s'])} | {p['rtf_p50'] or 0:.2f} | "
                 f"{p['audio_s_per_wall_s']:.1f} | {underruns} | {p['errors'] or 0}, {p['cut']} |"
             )
+        busy = [seen[c] for c in sorted(seen) if seen[c].get("engine_busy") is not None]
+        if busy:
+            lines += [
+                "",
+                "The inference thread in each scenario (from `/metrics`): share of the wall time in "
+                "engine steps, token steps per engine step, rows per step.",
+                "",
+                "| streams | engine busy | tokens per block | rows per step |",
+                "|---|---|---|---|",
+            ]
+            for p in busy:
+                blocks, rows = p["tokens_per_block"], p["rows_per_step"]
+                lines.append(f"| {p['concurrency']} | {p['engine_busy']:.2f} | {blocks} | {rows} |")
     return "\n".join(lines) + "\n"

@@ -36,6 +36,42 @@ def http_status(url: str, timeout_s: float = 5.0) -> int:
         return exc.code
 
 
+def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """``GET url`` (a ``/metrics`` page): every unlabelled sample by name (histogram sums and counts)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return {
+        sample.name: float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def engine_thread_figures(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """What the inference thread did between two scrapes ``wall_s`` apart.
+
+    ``engine_busy``: the share of the wall time inside engine steps (near 1: the engine is the
+    limit; well below: the thread waited for work, the policy or the hand-off);
+    ``tokens_per_block``: token steps per engine step (short blocks: newcomers and cancels
+    end blocks early, and per-block work weighs more); ``rows_per_step``: the mean batch.
+    """
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("chattts_block_seconds_count")
+    blocks = delta("chattts_block_tokens_count")
+    return {
+        "engine_steps": int(steps),
+        "engine_busy": round(delta("chattts_block_seconds_sum") / wall_s, 3) if wall_s > 0 else None,
+        "tokens_per_block": round(delta("chattts_block_tokens_sum") / blocks, 2) if blocks else None,
+        "rows_per_step": round(delta("chattts_batch_size_sum") / steps, 2) if steps else None,
+    }
+
+
 def open_log(path: Path | None) -> IO[bytes] | int:
     """An append-mode log file for a child process, or ``DEVNULL``."""
     return open(path, "ab") if path else asyncio.subprocess.DEVNULL

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+_BLOCK_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 class Metrics:
@@ -50,6 +51,14 @@ class Metrics:
         )
         self.block_time = Histogram(
             "chattts_block_seconds", "Wall time of one engine step", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        # Token steps per engine step: a block ends early (below the schedule's 32) when a newcomer,
+        # an append or a cancel waits; many short blocks spend their time on per-block work.
+        self.block_tokens = Histogram(
+            "chattts_block_tokens",
+            "Token steps in one engine step (the longest row's)",
+            buckets=_BLOCK_TOKEN_BUCKETS,
+            registry=r,
         )
         self.tokens = Counter("chattts_tokens_generated", "Audio tokens generated", registry=r)
         self.audio_seconds = Counter(

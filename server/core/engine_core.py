@@ -282,6 +282,7 @@ class EngineCore:
         elapsed = self._clock() - started
         metrics.block_time.observe(elapsed)
         metrics.batch_size.observe(len(seq_ids))
+        metrics.block_tokens.observe(max((result.tokens for result in results), default=0))
         for result in results:
             metrics.tokens.inc(result.tokens)
             metrics.audio_seconds.inc(len(result.audio) / engine.info.sample_rate)

@@ -39,6 +39,9 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     assert all(
         s["streams"] >= s["concurrency"] and s["ttfa_p50_s"] > 0 and not s["errors"] for s in scenarios
     )
+    for s in scenarios:  # the inference thread's figures, from the server's /metrics around each
+        assert s["engine_steps"] > 0 and 0 < s["engine_busy"] <= 1.2  # a share of the wall time
+        assert 0 < s["tokens_per_block"] <= 32 and 1 <= s["rows_per_step"] <= 4  # --max-batch 4
     search = stages["search"]
     assert 1 <= search["largest_zero_underrun_concurrency"] <= 4
     assert search["probes"]
@@ -46,4 +49,5 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     assert "zero_underrun_streams" in results["verdicts"]
     report = prefix.with_name("gpu-smoke.md").read_text()
     assert "## Token step" in report and "## Server scenarios" in report and "| search | ok |" in report
+    assert "| streams | engine busy | tokens per block | rows per step |" in report
     assert "[bench.gpu] stage search: ok" in proc.stdout

@@ -334,3 +334,38 @@ async def test_a_waiting_command_ends_the_running_block_so_a_newcomer_joins_at_o
         engine.slow = False
         await wait_all([first, newcomer])
         assert first.end.reason == newcomer.end.reason == "complete"
+
+
+async def test_block_tokens_histogram_counts_each_steps_token_steps(engine: FakeEngine) -> None:
+    """``chattts_block_tokens``: one observation per engine step, the longest row's tokens."""
+    from server.engine.fake import token_count
+
+    metrics = Metrics()
+    client = EngineClient(lambda: engine, config=PolicyConfig(), metrics=metrics)
+    await client.start()
+    try:
+        async with asyncio.timeout(30):
+            await client.wait_ready()
+
+        def sample(name: str, labels: dict[str, str] | None = None) -> float:
+            return metrics.registry.get_sample_value(name, labels) or 0.0
+
+        short_before = sample("chattts_block_tokens_bucket", {"le": "4.0"})
+        steps_before = sample("chattts_block_tokens_count")
+        tokens_before = sample("chattts_block_tokens_sum")
+        text = "one stream alone, several blocks long"
+        sink = Sink()
+        Sched(client).submit([text], SynthesisParams(seed=3), sink)
+        await wait_all([sink])
+        assert sink.end.reason == "complete"
+        # Alone in every step, the stream's tokens are each step's longest row.
+        assert sample("chattts_block_tokens_sum") - tokens_before == token_count(text, 2.0, 1 << 20)
+        steps = sample("chattts_block_tokens_count") - steps_before
+        rest = token_count(text, 2.0, 1 << 20) - engine.first_block_tokens
+        assert steps == 1 + -(-rest // engine.block_tokens)
+        # The first block is the engine's short one (4 tokens): one observation in the "≤ 4" bucket
+        # (the last block, the remainder, is longer than 4 here).
+        assert rest % engine.block_tokens > 4
+        assert sample("chattts_block_tokens_bucket", {"le": "4.0"}) - short_before == 1
+    finally:
+        await client.stop()
