@@ -51,3 +51,13 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     assert "## Token step" in report and "## Server scenarios" in report and "| search | ok |" in report
     assert "| streams | engine busy | tokens per block | rows per step |" in report
     assert "[bench.gpu] stage search: ok" in proc.stdout
+
+
+def test_device_tests_come_first_and_every_model_test_runs_once() -> None:
+    from bench.gpu import DEVICE_TESTS_FIRST, model_tests_by_priority
+
+    files = model_tests_by_priority()
+    names = [path.name for path in files]
+    assert names[: len(DEVICE_TESTS_FIRST)] == list(DEVICE_TESTS_FIRST)  # each still exists
+    on_disk = sorted(p.name for p in (Path(__file__).parents[1] / "model").glob("test_*.py"))
+    assert sorted(names) == on_disk and len(set(names)) == len(names)
