@@ -58,9 +58,7 @@ def profile_table(system: EngineSystem, batch: int, blocks: int, device: Any) ->
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    ids = [system.add(k, 400) for k in range(batch)]
-    for _ in range(3):  # past the short first blocks, graphs warm
-        system.engine.step(ids)
+    ids = system.steady_rows(batch)
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -137,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         results["closed"][str(n)] = c
         print(f"[gpu_engine] closed {n}: {c['audio_s_per_wall_s']:.2f} audio-s per wall-s", flush=True)
         write()
-    if system._loop is not None:  # the closed loop's rows hold slots the block needs
-        for sid in system._loop["live"]:
-            system.engine.drop(sid)
-        system._loop = None
+    system.end_loop()  # the closed loop's rows hold slots the blocks need
     if device.type == "cuda":
         system.profile.sync = lambda: torch.cuda.synchronize(device)
     for batch in sorted({1, args.max_batch}):

@@ -110,7 +110,7 @@ class EngineSystem:
         from server.engine.chattts.engine import ChatTTSEngine
 
         self.args, self.profile = args, Profile()
-        device = torch.device(getattr(args, "device", "cpu"))
+        device = torch.device(args.device)
         instrument_engine(self.profile)
         loaded = load_chat(model_dir=args.model_dir, device=device)
         options: dict[str, Any] = {"min_tokens": 1 << 20}  # EOS banned: every job runs to its own length
@@ -150,6 +150,20 @@ class EngineSystem:
         self.engine.drop(sid)
         return {"ttfa_s": ttfa}
 
+    def end_loop(self) -> None:
+        """Drop the rows of the closed loop kept running between slices (their slots free again)."""
+        if self._loop is not None:
+            for sid in self._loop["live"]:
+                self.engine.drop(sid)
+            self._loop = None
+
+    def steady_rows(self, batch: int) -> list[int]:
+        """``batch`` long rows past their short first blocks (8, 16 and 32 tokens): steady state."""
+        ids = [self.add(k, 400) for k in range(batch)]
+        for _ in range(3):
+            self.engine.step(ids)
+        return ids
+
     def profile_block(self, command: dict[str, Any]) -> dict[str, Any]:
         """One steady-state block (every row on its 32-token schedule) at ``batch`` rows.
 
@@ -157,9 +171,7 @@ class EngineSystem:
         shared machine only ever adds time.
         """
         batch = command["batch"]
-        ids = [self.add(k, 400) for k in range(batch)]
-        for _ in range(3):  # blocks of 8, 16 and 32 tokens
-            self.engine.step(ids)
+        ids = self.steady_rows(batch)
         best: dict[str, Any] = {}
         for _ in range(3):
             self.profile.take()
@@ -182,9 +194,7 @@ class EngineSystem:
         n, seconds, a = command["n"], command["seconds"], self.args
         loop = self._loop if command.get("continue") and self._loop and self._loop["n"] == n else None
         if loop is None:
-            if self._loop is not None:
-                for sid in self._loop["live"]:
-                    self.engine.drop(sid)
+            self.end_loop()
             live = {self.add(k, job_tokens(k, a.low, a.span)): k for k in range(n)}
             loop = self._loop = {"n": n, "live": live, "started": n}
         live = loop["live"]
@@ -281,6 +291,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="torch device of the engine")
     parser.add_argument("--low", type=int, default=120, help="shortest job, tokens")
     parser.add_argument("--span", type=int, default=140, help="job lengths spread over this many tokens")
     args = parser.parse_args()

@@ -62,12 +62,11 @@ def engine_thread_figures(before: dict[str, float], after: dict[str, float], wal
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    steps = delta("chattts_block_seconds_count")
-    blocks = delta("chattts_block_tokens_count")
+    steps = delta("chattts_block_seconds_count")  # every step observes all three histograms once
     return {
         "engine_steps": int(steps),
         "engine_busy": round(delta("chattts_block_seconds_sum") / wall_s, 3) if wall_s > 0 else None,
-        "tokens_per_block": round(delta("chattts_block_tokens_sum") / blocks, 2) if blocks else None,
+        "tokens_per_block": round(delta("chattts_block_tokens_sum") / steps, 2) if steps else None,
         "rows_per_step": round(delta("chattts_batch_size_sum") / steps, 2) if steps else None,
     }
 

@@ -62,8 +62,11 @@ class Sched:
 
 
 @asynccontextmanager
-async def run_core(engine: FakeEngine, **config: object) -> AsyncIterator[Sched]:
-    client = EngineClient(lambda: engine, config=PolicyConfig(**config), metrics=Metrics())  # type: ignore[arg-type]
+async def run_core(
+    engine: FakeEngine, metrics: Metrics | None = None, **config: object
+) -> AsyncIterator[Sched]:
+    metrics = metrics or Metrics()
+    client = EngineClient(lambda: engine, config=PolicyConfig(**config), metrics=metrics)  # type: ignore[arg-type]
     await client.start()
     async with asyncio.timeout(30):
         await client.wait_ready()
@@ -341,11 +344,7 @@ async def test_block_tokens_histogram_counts_each_steps_token_steps(engine: Fake
     from server.engine.fake import token_count
 
     metrics = Metrics()
-    client = EngineClient(lambda: engine, config=PolicyConfig(), metrics=metrics)
-    await client.start()
-    try:
-        async with asyncio.timeout(30):
-            await client.wait_ready()
+    async with run_core(engine, metrics) as sched:
 
         def sample(name: str, labels: dict[str, str] | None = None) -> float:
             return metrics.registry.get_sample_value(name, labels) or 0.0
@@ -355,7 +354,7 @@ async def test_block_tokens_histogram_counts_each_steps_token_steps(engine: Fake
         tokens_before = sample("chattts_block_tokens_sum")
         text = "one stream alone, several blocks long"
         sink = Sink()
-        Sched(client).submit([text], SynthesisParams(seed=3), sink)
+        sched.submit([text], SynthesisParams(seed=3), sink)
         await wait_all([sink])
         assert sink.end.reason == "complete"
         # Alone in every step, the stream's tokens are each step's longest row.
@@ -367,5 +366,3 @@ async def test_block_tokens_histogram_counts_each_steps_token_steps(engine: Fake
         # (the last block, the remainder, is longer than 4 here).
         assert rest % engine.block_tokens > 4
         assert sample("chattts_block_tokens_bucket", {"le": "4.0"}) - short_before == 1
-    finally:
-        await client.stop()
