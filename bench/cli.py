@@ -302,6 +302,8 @@ class Harness:
             else:
                 spec = LoadSpec("closed", concurrency=sc["concurrency"], **self._bounds())
             self.add_scenario(system, spec, "f32", records, run, sc["cpu_s"])
+            if "engine_thread" in sc:  # the engine's steps, as a server's /metrics shows its own
+                self.scenarios[-1]["engine_thread"] = sc["engine_thread"]
 
     # --- the run -----------------------------------------------------------------
 

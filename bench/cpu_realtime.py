@@ -43,7 +43,7 @@ from typing import Any
 
 from bench.cpu_report import render
 from bench.machine import describe_machine
-from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess
+from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess, engine_thread_figures, scrape_metrics
 from server.config import OPENMP_VARIABLES, Settings
 from server.engine.flags import thread_environment
 
@@ -197,8 +197,16 @@ class Run:
             hello = await fetch_hello(server.url)
             entry = {"hello": hello, "server": server.describe(), "cwd": str(cwd)}
             self.result["systems"].setdefault(name, []).append(entry)
+            metrics_url = f"http://127.0.0.1:{server.port}/metrics"
             for spec in harness.loads:
+                # The inference thread's own figures around the scenario: is the server's step as
+                # fast as its engine's in-process, and is the thread stepping all the time?
+                before, began = await _scrape(metrics_url), time.perf_counter()
                 await harness.run_scenario(name, server.url, spec, "pcm16", server)
+                after = await _scrape(metrics_url)
+                if before is not None and after is not None:
+                    figures = engine_thread_figures(before, after, time.perf_counter() - began)
+                    harness.scenarios[-1]["engine_thread"] = figures
         finally:
             await server.stop()
 
@@ -221,6 +229,15 @@ class Run:
                 self.result["systems"][name] = [harness.systems[name]]
         self.result["skipped"] += harness.skipped
         self.result["scenarios"] = harness.scenarios
+
+
+async def _scrape(url: str) -> dict[str, float] | None:
+    """The server's ``/metrics`` samples, or None (logged) where it has none to give."""
+    try:
+        return await asyncio.to_thread(scrape_metrics, url)
+    except (OSError, ValueError) as exc:
+        print(f"[cpu_realtime] no metrics from {url}: {exc}", flush=True)
+        return None
 
 
 def _commit(root: Path) -> str:

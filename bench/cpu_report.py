@@ -258,6 +258,7 @@ def _server_table(result: dict[str, Any]) -> list[str]:
             f"{_f(x['rtf_long_p90'], 2)} | {x['underruns']}, {x['underruns_long']} | "
             f"{_f(x['ttfa_p50'], 3)} / {_f(x['ttfa_p90'], 3)} | {x['errors']} | {_load_note(x['load'])} |"
         )
+    lines += _engine_thread_table(result)
     for name, entries in result.get("systems", {}).items():
         for entry in entries:
             compute = entry.get("hello", {}).get("compute")
@@ -266,6 +267,31 @@ def _server_table(result: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"\n`{name}`: hello.compute {compute}; ready (load, warm-up) after {_f(ready)} s."
                 )
+    return lines
+
+
+def _engine_thread_table(result: dict[str, Any]) -> list[str]:
+    """Each server scenario's inference thread, from ``/metrics`` (``engine_thread_figures``)."""
+    rows = [s for s in result["scenarios"] if s.get("engine_thread")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "The inference thread during each scenario (a server's from its `/metrics`, the engine in-process "
+        "timed around its steps): the share of the wall time inside engine steps (the rest: prefills, the "
+        "policy, waiting for work), tokens per block, rows per step, and the step's wall ms per token "
+        "step (a server slower here than its engine in-process loses inside the step, to CPU contention).",
+        "",
+        "| system | busy | tokens per block | rows per step | step ms per token step |",
+        "|---|---|---|---|---|",
+    ]
+    for s in rows:
+        e = s["engine_thread"]
+        lines.append(
+            f"| {s['system']} c{s['concurrency']} | {_f(e.get('engine_busy'), 2)} | "
+            f"{_f(e.get('tokens_per_block'))} | {_f(e.get('rows_per_step'), 2)} | "
+            f"{_f(e.get('step_ms_per_token'))} |"
+        )
     return lines
 
 

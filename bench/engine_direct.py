@@ -61,6 +61,7 @@ class ClosedLoop:
         self.engine, self.texts = engine, texts
         self.max_tokens, self.segment_max_chars = max_tokens, segment_max_chars
         self._next_seq = 0
+        self._steps = StepTally()
 
     def _submit(self, slot: _Slot) -> None:
         from server.engine_api import SequenceRequest, SynthesisParams
@@ -99,6 +100,7 @@ class ClosedLoop:
     ) -> LoadRun:
         """One scenario; ``cut``: drop the jobs still running when the load ends instead of finishing them."""
         run = LoadRun(t_start=time.perf_counter())
+        self._steps = StepTally()
         deadline = run.t_start + duration_s
         index = 0
         slots: list[_Slot] = []
@@ -110,8 +112,10 @@ class ClosedLoop:
                 run.t_stop = time.perf_counter()
             if not slots or (cut and run.t_stop):
                 break
+            stepped = time.perf_counter()
             results = {r.seq_id: r for r in self.engine.step([s.seq_id for s in slots])}
             now = time.perf_counter()
+            self._steps.add(now - stepped, len(slots), max((r.tokens for r in results.values()), default=0))
             for slot in list(slots):
                 result = results[slot.seq_id]
                 if result.audio.size:
@@ -130,6 +134,38 @@ class ClosedLoop:
         run.t_stop = run.t_stop or time.perf_counter()
         run.t_end = time.perf_counter()
         return run
+
+    def engine_thread(self, wall_s: float) -> dict[str, Any]:
+        """The last run's steps as a server's ``/metrics`` would show them (``engine_thread_figures``)."""
+        return self._steps.figures(wall_s)
+
+
+@dataclass
+class StepTally:
+    """Engine steps of one run: their wall time, rows and token steps (a block's longest row)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    token_steps: int = 0
+
+    def add(self, seconds: float, rows: int, tokens: int) -> None:
+        """One engine step of ``rows`` rows that advanced at most ``tokens`` tokens in ``seconds``."""
+        self.steps += 1
+        self.seconds += seconds
+        self.rows += rows
+        self.token_steps += tokens
+
+    def figures(self, wall_s: float) -> dict[str, Any]:
+        """The same keys as ``bench.servers.engine_thread_figures``."""
+        steps, tokens = self.steps, self.token_steps
+        return {
+            "engine_steps": steps,
+            "engine_busy": round(self.seconds / wall_s, 3) if wall_s > 0 else None,
+            "tokens_per_block": round(tokens / steps, 2) if steps else None,
+            "rows_per_step": round(self.rows / steps, 2) if steps else None,
+            "step_ms_per_token": round(1000 * self.seconds / tokens, 2) if tokens else None,
+        }
 
 
 def add_engine_arguments(parser: Any) -> None:
@@ -189,7 +225,9 @@ def main() -> int:
         cpu0 = inproc.cpu_now()
         base = seed_base(args.seed, f"c{concurrency}")
         run = loop.run(concurrency, args.duration, base_seed=base, max_streams=args.max_streams)
-        scenarios.append(inproc.scenario_result(concurrency, run, inproc.cpu_now() - cpu0))
+        scenario = inproc.scenario_result(concurrency, run, inproc.cpu_now() - cpu0)
+        scenario["engine_thread"] = loop.engine_thread(run.t_end - run.t_start)
+        scenarios.append(scenario)
     info = {
         "system": "engine-direct",
         "load_s": load_s,

@@ -56,18 +56,26 @@ def engine_thread_figures(before: dict[str, float], after: dict[str, float], wal
     ``engine_busy``: the share of the wall time inside engine steps (near 1: the engine is the
     limit; well below: the thread waited for work, the policy or the hand-off);
     ``tokens_per_block``: token steps per engine step (short blocks: newcomers and cancels
-    end blocks early, and per-block work weighs more); ``rows_per_step``: the mean batch.
+    end blocks early, and per-block work weighs more); ``rows_per_step``: the mean batch;
+    ``step_ms_per_token``: the step's wall time per token step (a block of 32 tokens is 32
+    token steps): the same figure as the engine's in-process, so a server whose step is slower
+    than its engine's loses to CPU contention inside the step, and one whose step is as fast
+    loses outside it (prefills, the policy, waiting).
     """
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     steps = delta("chattts_block_seconds_count")  # every step observes all three histograms once
+    token_steps = delta("chattts_block_tokens_sum")
     return {
         "engine_steps": int(steps),
         "engine_busy": round(delta("chattts_block_seconds_sum") / wall_s, 3) if wall_s > 0 else None,
-        "tokens_per_block": round(delta("chattts_block_tokens_sum") / steps, 2) if steps else None,
+        "tokens_per_block": round(token_steps / steps, 2) if steps else None,
         "rows_per_step": round(delta("chattts_batch_size_sum") / steps, 2) if steps else None,
+        "step_ms_per_token": round(1000 * delta("chattts_block_seconds_sum") / token_steps, 2)
+        if token_steps
+        else None,
     }
 
 

@@ -47,5 +47,10 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     assert server["hello"]["compute"]["quantize"] == "none"
     [scenario] = [s for s in result["scenarios"] if s["system"] == "after"]
     assert scenario["concurrency"] == 1 and scenario["summary"]["streams"] >= 1
+    figures = scenario["engine_thread"]  # the server's inference thread, from its /metrics
+    assert figures["engine_steps"] > 0 and 0 < figures["engine_busy"] <= 1.2
+    assert figures["tokens_per_block"] > 0 and figures["rows_per_step"] == 1  # one stream at a time
+    assert figures["step_ms_per_token"] > 0
     md = out.with_name("cpu.md").read_text()
     assert "## Targets" in md and "| after c1 |" in md
+    assert "step ms per token step" in md

@@ -22,3 +22,7 @@ def test_engine_direct_gives_every_stream_of_its_largest_level_a_slot(
     records = scenario["records"]
     assert len(records) == 17  # 17 streams ran at once: the 17th found a KV slot (default: 16)
     assert all(r["reason"] == "complete" or r["cut"] for r in records)
+    figures = scenario["engine_thread"]  # its steps, with the keys a server's /metrics gives
+    assert figures["engine_steps"] > 0 and 0 < figures["engine_busy"] <= 1
+    assert 1 <= figures["rows_per_step"] <= 17 and figures["tokens_per_block"] > 0
+    assert figures["step_ms_per_token"] > 0
