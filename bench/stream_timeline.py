@@ -62,15 +62,10 @@ def blocks(record: StreamRecord, merge_s: float) -> list[tuple[float, float, flo
             merged.append([t, samples])
     out: list[tuple[float, float, float]] = []
     total = 0.0
-    for t, samples in merged:
-        total += samples
-        out.append(
-            (
-                round(t - record.t_send, 3),
-                round(samples / SAMPLES_PER_TOKEN, 1),
-                round(total / record.sample_rate, 3),
-            )
-        )
+    for arrived, block_samples in merged:
+        total += block_samples
+        since, tokens = round(arrived - record.t_send, 3), round(block_samples / SAMPLES_PER_TOKEN, 1)
+        out.append((since, tokens, round(total / record.sample_rate, 3)))
     return out
 
 
