@@ -67,11 +67,12 @@ def engine_thread_figures(before: dict[str, float], after: dict[str, float], wal
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     steps = delta("chattts_block_seconds_count")  # every step observes all three histograms once
-    token_steps = delta("chattts_block_tokens_sum")
+    # None where the server has no block-tokens histogram (one from before it existed).
+    token_steps = delta("chattts_block_tokens_sum") if "chattts_block_tokens_sum" in after else None
     return {
         "engine_steps": int(steps),
         "engine_busy": round(delta("chattts_block_seconds_sum") / wall_s, 3) if wall_s > 0 else None,
-        "tokens_per_block": round(token_steps / steps, 2) if steps else None,
+        "tokens_per_block": round(token_steps / steps, 2) if steps and token_steps is not None else None,
         "rows_per_step": round(delta("chattts_batch_size_sum") / steps, 2) if steps else None,
         "step_ms_per_token": round(1000 * delta("chattts_block_seconds_sum") / token_steps, 2)
         if token_steps
