@@ -17,7 +17,7 @@ from server.voices.recording import transcript_limit
 
 def test_defaults_are_the_engines() -> None:
     options = EngineOptions()
-    assert options.block_schedule == (8, 16, 20, 24, 32)
+    assert options.block_schedule == (8, 16, 20, 20, 24, 24, 28, 32)
     assert options.default_voice == "seed:2"
     assert (options.context_tokens, options.holdback_tokens, options.crossfade_samples) == (16, 4, 256)
     assert options.min_tokens == 1
@@ -133,3 +133,28 @@ def test_options_and_settings_import_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _arrivals(schedule: tuple[int, ...], token_s: float, blocks: int) -> list[tuple[float, float]]:
+    """(arrival s, audio s) of a row's first blocks when a token takes ``token_s`` and a decode 5 ms.
+
+    The first block's audio is 5 tokens short (4 held back for the decode's right edge, and the
+    window's centring), which the next block brings: as the engine streams it.
+    """
+    token_audio, now, out = 512 / 24_000, 0.0, []
+    for k in range(blocks):
+        tokens = schedule[min(k, len(schedule) - 1)]
+        now += tokens * token_s + 0.005
+        out.append((now, (tokens - 5 if k == 0 else tokens + (5 if k == 1 else 0)) * token_audio))
+    return out
+
+
+@pytest.mark.parametrize("token_ms", [15.0, 17.0, 19.0])
+def test_the_default_ramp_keeps_a_300_ms_listener_fed_at_a_step_just_under_real_time(token_ms: float) -> None:
+    from bench.listener import simulate
+
+    blocks = 12
+    default = simulate(_arrivals(EngineOptions().block_schedule, token_ms / 1000, blocks), 0.3)
+    assert default.underruns == 0
+    if token_ms >= 18:  # the steeper ramp before it starves the listener at its 32-token block
+        assert simulate(_arrivals((8, 16, 20, 24, 32), token_ms / 1000, blocks), 0.3).underruns > 0

@@ -27,8 +27,16 @@ class EngineOptions:
         ValueError: from the constructor, naming the option, for a value the engine cannot run with.
     """
 
-    block_schedule: tuple[int, ...] = (8, 16, 20, 24, 32)
-    """Tokens between a sequence's 1st, 2nd, ... decodes (the last repeats); each at least 1."""
+    block_schedule: tuple[int, ...] = (8, 16, 20, 20, 24, 24, 28, 32)
+    """Tokens between a sequence's 1st, 2nd, ... decodes (the last repeats); each at least 1.
+
+    The ramp is gentle because a listener starts on about 0.4 s of audio (after the 2nd block)
+    and each later block must arrive before what is buffered is played: the buffer grows by a
+    block's audio minus its generation time, so each block may be only a little longer than the
+    one before. ``8,16,20,24,32`` under-ran at the 32-token block once a token took 18 ms (on two
+    CPU cores with the compiled w8a8 step); this one holds up to about 19 ms, 0.89 of real time
+    (``tests/unit/test_engine_options.py``, ``bench/results/cpu_c1_timeline.md``).
+    """
 
     default_voice: str = "seed:2"
     """What voice ``"default"`` is (``seed:N`` or a speaker string)."""
