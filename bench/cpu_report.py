@@ -271,7 +271,7 @@ def _server_table(result: dict[str, Any]) -> list[str]:
 
 
 def _engine_thread_table(result: dict[str, Any]) -> list[str]:
-    """Each server scenario's inference thread, from ``/metrics`` (``engine_thread_figures``)."""
+    """Each scenario's inference thread (``engine_thread_figures``: a server's, or an in-process engine's)."""
     rows = [s for s in result["scenarios"] if s.get("engine_thread")]
     if not rows:
         return []

@@ -24,6 +24,7 @@ from bench import inproc
 from bench.audio import DEFAULT_SILENCE_THRESHOLD
 from bench.latency import StreamRecord
 from bench.load import LoadRun
+from bench.servers import engine_thread_figures
 from bench.textset import BenchText, Job, job, seed_base
 
 
@@ -157,15 +158,14 @@ class StepTally:
         self.token_steps += tokens
 
     def figures(self, wall_s: float) -> dict[str, Any]:
-        """The same keys as ``bench.servers.engine_thread_figures``."""
-        steps, tokens = self.steps, self.token_steps
-        return {
-            "engine_steps": steps,
-            "engine_busy": round(self.seconds / wall_s, 3) if wall_s > 0 else None,
-            "tokens_per_block": round(tokens / steps, 2) if steps else None,
-            "rows_per_step": round(self.rows / steps, 2) if steps else None,
-            "step_ms_per_token": round(1000 * self.seconds / tokens, 2) if tokens else None,
+        """``bench.servers.engine_thread_figures`` of these steps, as a server's ``/metrics`` counts them."""
+        counted = {
+            "chattts_block_seconds_count": float(self.steps),
+            "chattts_block_seconds_sum": self.seconds,
+            "chattts_block_tokens_sum": float(self.token_steps),
+            "chattts_batch_size_sum": float(self.rows),
         }
+        return engine_thread_figures({}, counted, wall_s)
 
 
 def add_engine_arguments(parser: Any) -> None:

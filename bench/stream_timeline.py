@@ -25,12 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import StreamOptions, run_stream
+from bench.inproc import SAMPLES_PER_TOKEN
 from bench.latency import StreamRecord, stream_metrics
-from bench.servers import REPO_ROOT, ServerProcess
-from bench.textset import job, load_texts
-
-#: Audio samples per token at 24 kHz (ChatTTS: 46.875 tokens per second of audio).
-SAMPLES_PER_TOKEN = 512
+from bench.servers import ServerProcess
+from bench.textset import DEFAULT_TEXTS, job, load_texts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server-flags", help="start `python -m server serve` with these flags instead")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--seed-base", type=int, default=424242)
-    p.add_argument("--texts", type=Path, default=REPO_ROOT / "bench/texts/default.jsonl")
+    p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS)
     p.add_argument("--text-sizes", default="medium,long")
     p.add_argument("--max-audio-s", type=float, default=6.0, help="cancel a stream after this much audio")
     p.add_argument("--long-s", type=float, default=4.0, help="the summary's streams: at least this long")
