@@ -27,7 +27,7 @@ def plain_generation(engine: Any, request: SequenceRequest) -> tuple[torch.Tenso
     difference in tokens comes from the KV slots, masks, buckets or the step itself.
 
     Returns:
-        ``(codes (k, num_vq), hiddens (k, hidden))`` of the accepted tokens.
+        ``(codes (k, num_vq), hiddens (k, hidden))`` of the accepted tokens, on the CPU.
     """
     chat, llama, step = engine._chat, engine._llama, engine._batch.token_step
     params = request.params
@@ -74,7 +74,8 @@ def plain_generation(engine: Any, request: SequenceRequest) -> tuple[torch.Tenso
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-    return torch.stack(codes_out), torch.stack(hiddens_out)
+    # On the host, like the engine's token taps, whatever the device.
+    return torch.stack(codes_out).cpu(), torch.stack(hiddens_out).cpu()
 
 
 _READS = {

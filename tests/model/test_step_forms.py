@@ -130,6 +130,8 @@ def test_int8_weights_are_close_to_the_float_weights() -> None:
 
 
 W8A8_HERE = TEST_DEVICE == "cpu" and quantized_engine_available()
+#: The token step a server runs with default flags on the test device (CUDA captures graphs).
+DEFAULT_STEP = "cuda-graphs" if torch.device(TEST_DEVICE).type == "cuda" else "eager"
 
 
 @pytest.mark.loopback
@@ -141,7 +143,7 @@ async def test_a_quantized_server_streams_and_says_so(make_model_app: Any, quant
     app: App = await make_model_app("--quantize", quantize)
     ws, hello = await open_client(app.port)
     assert hello["compute"]["quantize"] == quantize and hello["compute"]["dtype"] == "float32"
-    assert hello["compute"]["token_step"] == "eager" and "token_step_fallback" not in hello["compute"]
+    assert hello["compute"]["token_step"] == DEFAULT_STEP and "token_step_fallback" not in hello["compute"]
     metrics = app.metrics.render().decode()
     assert f'quantize="{quantize}"' in metrics and f'projections="{quantize}"' in metrics
     await start(ws, id="q", text="Quantized speech, one sentence.", seed=5)

@@ -332,9 +332,12 @@ class ChatTTSEngine:
         return results
 
     def decode_tokens(self, hiddens: torch.Tensor) -> np.ndarray[Any, np.dtype[np.float32]]:
-        """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with)."""
+        """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with).
+
+        The states may come from anywhere (a token tap's host copies): they move to the
+        engine's device first."""
         with torch.inference_mode():
-            return self._decode_fn(hiddens)
+            return self._decode_fn(hiddens.to(self.device))
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (batch, attention length) a token step can run at: the closed bucket set."""
