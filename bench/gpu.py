@@ -1,12 +1,14 @@
 """``python -m bench.gpu``: the one-command GPU check (issue #15).
 
-On a CUDA machine, in under 8 minutes by default (``--budget-s``)::
+On a CUDA machine, in under 9 minutes by default (``--budget-s``)::
 
     python -m bench.gpu                      # writes bench/results/gpu-<gpu name>.json and .md
 
 1. **tests**: the model tests (``tests/model``) with the engine on the device
    (``CHATTTS_TEST_DEVICE``);
 2. **step**: token-step time per batch bucket, CUDA graphs on and off (:mod:`bench.gpu_step`);
+   **engine**: the engine alone in-process at the server scenarios' levels, the ceiling each
+   scenario is compared with (:mod:`bench.gpu_engine`, per ``--engine-schedules`` entry);
 3. **ttfa**: a server with the full-size dev model (``--max-batch`` slots), time to first
    audio p50/p99 at 1, 16 and 64 concurrent streams (the harness of ``python -m bench``);
 4. **search**: the largest number of concurrent streams that all play with zero underruns
@@ -35,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_report import render, verdicts
+from bench.gpu_tests import stage_tests
 from bench.machine import describe_machine
 from bench.servers import REPO_ROOT, ServerProcess, engine_thread_figures, scrape_metrics
 
-STAGES = ("tests", "step", "ttfa", "search")
+STAGES = ("tests", "step", "engine", "ttfa", "search")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "chattts-stream")
     p.add_argument(
-        "--budget-s", type=float, help="total time; stages get what is left (default 470, smoke 300)"
+        "--budget-s", type=float, help="total time; stages get what is left (default 540, smoke 300)"
     )
     p.add_argument("--max-batch", type=int, default=128, help="the server's KV slots (and search ceiling)")
     p.add_argument("--ttfa-concurrency", default="1,16,64")
@@ -59,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario-s", type=float, default=12.0, help="load time of one server scenario")
     p.add_argument("--max-audio-s", type=float, default=8.0, help="each stream is cut after this much audio")
     p.add_argument("--stages", default=",".join(STAGES), help="which stages to run")
+    p.add_argument(
+        "--engine-schedules",
+        default="default",
+        help="block schedules the engine stage runs, ';'-separated ('default': the engine's own), "
+        "e.g. 'default;8,16,20,24,32'",
+    )
+    p.add_argument("--engine-seconds", type=float, default=6.0, help="each closed loop of the engine stage")
+    p.add_argument("--tests-cap-s", type=float, default=170.0, help="most seconds of the tests stage")
+    p.add_argument(
+        "--test-workers",
+        type=int,
+        help="pytest-xdist processes for the model tests, a test file each (default 8 on a GPU, where "
+        "all of tests/model took 110 s in 12 instead of not finishing in 170 s in one; 0: one process)",
+    )
     p.add_argument("--out", type=Path, help="output prefix (default bench/results/gpu-<device name>)")
     return p
 
@@ -66,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_smoke(args: argparse.Namespace) -> None:
     """Tiny model, two-row buckets, one-second scenarios."""
     args.max_batch, args.ttfa_concurrency = 4, "1,2"
-    args.scenario_s, args.max_audio_s = 1.0, 1.0
+    args.scenario_s, args.max_audio_s, args.engine_seconds = 1.0, 1.0, 1.0
 
 
 def versions(device: str) -> dict[str, Any]:
@@ -137,67 +154,6 @@ class Run:
         self.out.with_name(self.out.name + ".md").write_text(render(self.results))
 
 
-#: The model tests that run the engine's own code on the device, first: the stage's time cap
-#: (170 s) covered 40 % of ``tests/model`` on the first H200, so what comes first is what runs.
-DEVICE_TESTS_FIRST = (
-    "test_chattts_static.py",
-    "test_chattts_engine.py",
-    "test_step_forms.py",
-    "test_kv_memory.py",
-    "test_chattts_vocode.py",
-    "test_refine_engine.py",
-)
-
-
-def model_tests_by_priority() -> list[Path]:
-    """``tests/model``'s test files, :data:`DEVICE_TESTS_FIRST` first, then the rest by name."""
-    folder = REPO_ROOT / "tests" / "model"
-    files = sorted(folder.glob("test_*.py"))
-    first = [folder / name for name in DEVICE_TESTS_FIRST if (folder / name).is_file()]
-    return first + [path for path in files if path not in first]
-
-
-def stage_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
-    """The model tests with the engine on ``args.device``."""
-    selection = [str(path) for path in model_tests_by_priority()]
-    if args.smoke:
-        selection = [
-            "tests/model/test_chattts_static.py::test_slots_are_the_batch_limit_and_memory_is_stated"
-        ]
-    # -v: every test's name and verdict as it finishes, so a run cut at its limit still says
-    # which failed; a module that cannot be imported there (a missing dev package) costs only
-    # its own tests.
-    argv = [
-        sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-        "--continue-on-collection-errors", *selection,
-    ]  # fmt: skip
-    env = {**os.environ, "CHATTTS_TEST_DEVICE": args.device, "HF_HUB_OFFLINE": "1"}
-    try:
-        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stdout or b"")[-2000:]
-        return {
-            "status_detail": "timed out",
-            "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
-        }
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary)}
-    if proc.returncode != 0 and not counts.get("failed") and not counts.get("error"):
-        raise RuntimeError(f"pytest exited {proc.returncode}: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
-    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
-    result = {
-        "command": shlex.join(argv),
-        "returncode": proc.returncode,
-        "summary": summary,
-        "counts": counts,
-        "failures": failures,
-    }
-    if failures:  # the first failures' tracebacks: a GPU is lent rarely, the why must come back with it
-        first = proc.stdout.find("= FAILURES =")
-        result["failure_text"] = proc.stdout[first:][:6000] if first >= 0 else proc.stdout[-6000:]
-    return result
-
-
 def stage_step(args: argparse.Namespace, limit: float, workdir: Path) -> dict[str, Any]:
     """Token-step time per batch bucket (child process)."""
     out = workdir / "step.json"
@@ -213,6 +169,40 @@ def stage_step(args: argparse.Namespace, limit: float, workdir: Path) -> dict[st
     data: dict[str, Any] = json.loads(out.read_text())
     data["command"] = shlex.join(argv)
     return data
+
+
+def stage_engine(args: argparse.Namespace, limit: float, workdir: Path) -> dict[str, Any]:
+    """The engine alone, in-process, at the server scenarios' levels (:mod:`bench.gpu_engine`).
+
+    The ceiling each server scenario is compared with, in the same run (the first H200 run
+    found the server at 0.37x its engine at 64 streams); once per ``--engine-schedules`` entry.
+    """
+    deadline = time.perf_counter() + limit
+    levels = sorted({min(int(c), args.max_batch) for c in args.ttfa_concurrency.split(",")})
+    runs: dict[str, Any] = {}
+    for index, schedule in enumerate(args.engine_schedules.split(";")):
+        out = workdir / f"engine-{index}"
+        argv = [
+            sys.executable, "-m", "bench.gpu_engine", "--model-dir", str(args.model_dir),
+            "--device", args.device, "--max-batch", str(max(levels)),
+            "--levels", ",".join(map(str, levels)), "--seconds", str(args.engine_seconds), "--out", str(out),
+        ]  # fmt: skip
+        if schedule.strip() != "default":
+            argv += ["--block-schedule", schedule.strip()]
+        if args.smoke:
+            argv += ["--settle-s", "0.3", "--profile-blocks", "1", "--low", "20", "--span", "10"]
+        timeout = deadline - time.perf_counter()
+        proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench.gpu_engine exited {proc.returncode}: {proc.stderr[-2000:]}")
+        data = json.loads(out.with_name(out.name + ".json").read_text())
+        runs[data["block_schedule"]] = {
+            "command": shlex.join(argv),
+            "default": schedule.strip() == "default",
+            "load_and_warmup_s": data["ready"]["load_and_warmup_s"],
+            **{key: data[key] for key in ("closed", "blocks", "block_tokens")},
+        }
+    return {"runs": runs}
 
 
 class ServerStages:
@@ -356,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
         apply_smoke(args)
+    if args.test_workers is None:
+        args.test_workers = 0 if args.smoke or args.device == "cpu" else 8
     if args.budget_s is None:
-        args.budget_s = 300.0 if args.smoke else 470.0
+        args.budget_s = 300.0 if args.smoke else 540.0
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # children inherit it (see bench/README)
     info = versions(args.device)
     if args.out is None:
@@ -370,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = ensure_model(args)
     wanted = set(args.stages.split(","))
     if "tests" in wanted:
-        run.stage("tests", 170.0, lambda limit: stage_tests(args, limit))
+        run.stage("tests", args.tests_cap_s, lambda limit: stage_tests(args, limit))
     if "step" in wanted:
         run.stage("step", 120.0, lambda limit: stage_step(args, limit, run.workdir))
+    if "engine" in wanted:
+        run.stage("engine", 150.0, lambda limit: stage_engine(args, limit, run.workdir))
     if wanted & {"ttfa", "search"}:
         server = ServerStages(args, run.workdir)
         try:

@@ -6,9 +6,11 @@ The server stage of :mod:`bench.gpu` tells how many streams play; this tells why
 The engine of this tree (bf16, CUDA graphs as served, EOS banned so every job runs to its
 own length) is loaded once, in this process, and then:
 
-1. **closed loops** at ``--levels`` rows for ``--seconds`` each, every ended row replaced by
-   the next job (the loop of ``bench.hotpath_child``): audio-s per wall-s of the engine alone,
-   the ceiling the server's own figure is compared with;
+1. **closed loops** at ``--levels`` rows for ``--seconds`` each (after ``--settle-s``
+   untimed: every row's prefill at the start would weigh on a few seconds), every ended row
+   replaced by the next job (the loop of ``bench.hotpath_child``): audio-s per wall-s of the
+   engine alone, the ceiling the server's own figure is compared with, and its token steps
+   per engine step (the server's ``/metrics`` figure "tokens per block");
 2. **one steady-state block** at batch 1 and at ``--max-batch``, its wall time per token step
    split into Llama step, sampling, audio decode, prefill and the rest, with the device
    synchronised after each part (so each part's time is its own; this costs some speed);
@@ -40,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-blocks", type=int, default=2, help="blocks under torch.profiler")
     p.add_argument("--low", type=int, default=120, help="shortest job, tokens")
     p.add_argument("--span", type=int, default=140, help="job lengths spread over this many tokens")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=2.0,
+        help="untimed seconds of each closed loop first (its start: every row's prefill at once)",
+    )
+    p.add_argument("--block-schedule", help="the engine's block schedule (default: the engine's own)")
     p.add_argument("--out", type=Path, required=True, help="output prefix")
     return p
 
@@ -83,20 +92,25 @@ def render(results: dict[str, Any]) -> str:
         "# python -m bench.gpu_engine",
         "",
         f"Command: `{results['command']}`; device {results['device']}; "
-        f"load and warm-up {results['ready']['load_and_warmup_s']:.1f} s.",
+        f"load and warm-up {results['ready']['load_and_warmup_s']:.1f} s; "
+        f"block schedule {results.get('block_schedule')}.",
         "",
         "## Closed loops, engine in-process",
         "",
-        "| rows | audio-s per wall-s | audio-s per CPU-s | jobs started |",
-        "|---|---|---|---|",
+        "| rows | audio-s per wall-s | audio-s per CPU-s | jobs started | tokens per block |",
+        "|---|---|---|---|---|",
     ]
     for n, c in results["closed"].items():
         lines.append(
-            f"| {n} | {c['audio_s_per_wall_s']:.2f} | {c['audio_s_per_cpu_s']:.2f} | {c['jobs_started']} |"
+            f"| {n} | {c['audio_s_per_wall_s']:.2f} | {c['audio_s_per_cpu_s']:.2f} | {c['jobs_started']} "
+            f"| {c['tokens_per_block']:.2f} |"
         )
     lines += ["", "## One steady-state block, ms per token step (device synchronised per part)", ""]
     for batch, parts in results["blocks"].items():
-        lines.append(f"- batch {batch}: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
+        tokens = results.get("block_tokens", {}).get(batch)
+        lines.append(
+            f"- batch {batch} ({tokens} token steps): " + ", ".join(f"{k} {v}" for k, v in parts.items())
+        )
     for name, table in results.get("profile", {}).items():
         title = f"## torch.profiler, {name} time, batch {results['max_batch']}"
         lines += ["", title, "", "```", table, "```"]
@@ -118,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "max_batch": args.max_batch,
         "ready": system.ready,
+        "block_schedule": ",".join(str(n) for n in getattr(system.engine, "block_schedule", ())),
         "closed": {},
         "blocks": {},
     }
@@ -129,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         out_md.write_text(render(results))
 
     for n in [int(x) for x in args.levels.split(",")]:
-        c = system.closed({"n": min(n, args.max_batch), "seconds": args.seconds})
+        rows = min(n, args.max_batch)
+        if args.settle_s > 0:
+            system.closed({"n": rows, "seconds": args.settle_s})
+        c = system.closed({"n": rows, "seconds": args.seconds, "continue": args.settle_s > 0})
+        c["tokens_per_block"] = c["token_steps"] / max(c["blocks"], 1)
         c["audio_s_per_wall_s"] = c["audio_s"] / c["wall_s"]
         c["audio_s_per_cpu_s"] = c["audio_s"] / max(c["cpu_s"], 1e-9)
         results["closed"][str(n)] = c
@@ -139,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         system.profile.sync = lambda: torch.cuda.synchronize(device)
     for batch in sorted({1, args.max_batch}):
-        results["blocks"][str(batch)] = split_per_step(system.profile_block({"batch": batch}))
+        block = system.profile_block({"batch": batch})
+        results["blocks"][str(batch)] = split_per_step(block)
+        results.setdefault("block_tokens", {})[str(batch)] = block["tokens"]
         print(f"[gpu_engine] block {batch}: {results['blocks'][str(batch)]}", flush=True)
         write()
     system.profile.sync = lambda: None

@@ -92,10 +92,9 @@ def render(results: dict[str, Any]) -> str:
     lines.append(f"| ≥ 64 real-time streams, zero underruns | {best} | {_met(streams)} |")
     tests = stages.get("tests", {})
     if tests.get("failures"):
-        lines += [
-            "",
-            "Model tests that failed on the device: " + ", ".join(f"`{f}`" for f in tests["failures"]),
-        ]
+        reasons = tests.get("failure_reasons", {})
+        lines += ["", "Model tests that failed on the device:", ""]
+        lines += [f"- `{f}`: {reasons.get(f) or 'see failure_text'}" for f in tests["failures"]]
     step = stages.get("step", {})
     if step.get("rows"):
         lines += [
@@ -154,4 +153,38 @@ def render(results: dict[str, Any]) -> str:
             for p in busy:
                 blocks, rows = p["tokens_per_block"], p["rows_per_step"]
                 lines.append(f"| {p['concurrency']} | {p['engine_busy']:.2f} | {blocks} | {rows} |")
+    lines += _engine_table(stages)
     return "\n".join(lines) + "\n"
+
+
+def _engine_table(stages: dict[str, Any]) -> list[str]:
+    """The engine stage's closed loops beside the server scenario at the same concurrency."""
+    runs = stages.get("engine", {}).get("runs", {})
+    if not runs:
+        return []
+    scenarios = [*stages.get("ttfa", {}).get("scenarios", []), *stages.get("search", {}).get("probes", [])]
+    server = {p["concurrency"]: p for p in scenarios if "audio_s_per_wall_s" in p}
+    lines = [
+        "",
+        "## The engine alone against the server",
+        "",
+        "The engine in-process (`bench.gpu_engine`: closed loops after an untimed start, EOS banned) "
+        "at each level, beside the server scenario at that concurrency (the server runs the "
+        "default schedule, so only that row has a ratio).",
+        "",
+        "| block schedule | rows | engine audio-s per s | engine tokens per block "
+        "| server audio-s per s | server tokens per block | server / engine |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for schedule, run in runs.items():
+        for level, loop in run["closed"].items():
+            engine_rate = loop["audio_s_per_wall_s"]
+            scenario = server.get(int(level)) if run.get("default") else None
+            if scenario:
+                ratio = f"{scenario['audio_s_per_wall_s'] / engine_rate:.2f}×"
+                theirs = f"{scenario['audio_s_per_wall_s']:.1f} | {scenario.get('tokens_per_block', '—')}"
+            else:
+                ratio, theirs = "—", "— | —"
+            blocks = loop["tokens_per_block"]
+            lines.append(f"| {schedule} | {level} | {engine_rate:.1f} | {blocks:.2f} | {theirs} | {ratio} |")
+    return lines

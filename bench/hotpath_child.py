@@ -114,6 +114,8 @@ class EngineSystem:
         instrument_engine(self.profile)
         loaded = load_chat(model_dir=args.model_dir, device=device)
         options: dict[str, Any] = {"min_tokens": 1 << 20}  # EOS banned: every job runs to its own length
+        if getattr(args, "block_schedule", None):  # bench.gpu_engine compares schedules
+            options["block_schedule"] = tuple(int(x) for x in args.block_schedule.split(","))
         if "options" in str(inspect.signature(ChatTTSEngine.__init__)):  # KV slots
             options["max_batch"] = args.max_batch
         began = time.perf_counter()
@@ -158,14 +160,20 @@ class EngineSystem:
             self._loop = None
 
     def steady_rows(self, batch: int) -> list[int]:
-        """``batch`` long rows past their short first blocks (8, 16 and 32 tokens): steady state."""
+        """``batch`` long rows past their schedule's ramp, on its last (longest) block: steady state."""
         ids = [self.add(k, 400) for k in range(batch)]
-        for _ in range(3):
+        for _ in range(self.ramp_blocks()):
             self.engine.step(ids)
         return ids
 
+    def ramp_blocks(self) -> int:
+        """Blocks before a row reaches its schedule's last block size (3 for a tree without the layout)."""
+        layout = getattr(getattr(self.engine, "_batch", None), "layout", None)
+        schedule = getattr(layout, "block_schedule", None)
+        return len(schedule) - 1 if schedule else 3
+
     def profile_block(self, command: dict[str, Any]) -> dict[str, Any]:
-        """One steady-state block (every row on its 32-token schedule) at ``batch`` rows.
+        """One steady-state block (every row on its schedule's last block size) at ``batch`` rows.
 
         Three blocks are measured and the fastest is kept: work from other processes on a
         shared machine only ever adds time.
@@ -200,8 +208,12 @@ class EngineSystem:
         live = loop["live"]
         self.profile.take()
         cpu0, began, samples, jobs = time.process_time(), time.perf_counter(), 0, loop["started"]
+        blocks = token_steps = 0
         while time.perf_counter() - began < seconds:
-            for result in self.engine.step(list(live)):
+            results = self.engine.step(list(live))
+            blocks += 1
+            token_steps += max((r.tokens for r in results), default=0)
+            for result in results:
                 samples += len(result.audio)
                 if result.finished:
                     del live[result.seq_id]
@@ -216,6 +228,9 @@ class EngineSystem:
             "cpu_s": cpu,
             "audio_s": audio,
             "jobs_started": jobs,
+            # token steps per engine step: what a server's /metrics calls tokens per block
+            "blocks": blocks,
+            "token_steps": token_steps,
             "seconds": self.profile.take(),
         }
 

@@ -27,7 +27,7 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     results = json.loads(prefix.with_name("gpu-smoke.json").read_text())
     stages = results["stages"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(
-        ("tests", "step", "ttfa", "search"), "ok"
+        ("tests", "step", "engine", "ttfa", "search"), "ok"
     )
     assert stages["tests"]["counts"] == {"passed": 1}
     step = stages["step"]
@@ -42,6 +42,10 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     for s in scenarios:  # the inference thread's figures, from the server's /metrics around each
         assert s["engine_steps"] > 0 and 0 < s["engine_busy"] <= 1.2  # a share of the wall time
         assert 0 < s["tokens_per_block"] <= 32 and 1 <= s["rows_per_step"] <= 4  # --max-batch 4
+    [(schedule, engine)] = stages["engine"]["runs"].items()  # the engine alone, its default schedule
+    assert engine["default"] and schedule == "8,16,20,20,24,24,28,32"
+    assert set(engine["closed"]) == {"1", "2"}  # the server scenarios' levels
+    assert all(loop["audio_s"] > 0 and loop["tokens_per_block"] >= 1 for loop in engine["closed"].values())
     search = stages["search"]
     assert 1 <= search["largest_zero_underrun_concurrency"] <= 4
     assert search["probes"]
@@ -50,11 +54,13 @@ def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
     report = prefix.with_name("gpu-smoke.md").read_text()
     assert "## Token step" in report and "## Server scenarios" in report and "| search | ok |" in report
     assert "| streams | engine busy | tokens per block | rows per step |" in report
+    assert "## The engine alone against the server" in report
+    assert "| 8,16,20,20,24,24,28,32 | 2 |" in report and "×" in report.split("against the server")[1]
     assert "[bench.gpu] stage search: ok" in proc.stdout
 
 
 def test_device_tests_come_first_and_every_model_test_runs_once() -> None:
-    from bench.gpu import DEVICE_TESTS_FIRST, model_tests_by_priority
+    from bench.gpu_tests import DEVICE_TESTS_FIRST, model_tests_by_priority
 
     files = model_tests_by_priority()
     names = [path.name for path in files]
