@@ -335,7 +335,8 @@ class ChatTTSEngine:
         """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with).
 
         The states may come from anywhere (a token tap's host copies): they move to the
-        engine's device first."""
+        engine's device first.
+        """
         with torch.inference_mode():
             return self._decode_fn(hiddens.to(self.device))
 
