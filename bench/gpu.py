@@ -190,7 +190,7 @@ def stage_engine(args: argparse.Namespace, limit: float, workdir: Path) -> dict[
         if schedule.strip() != "default":
             argv += ["--block-schedule", schedule.strip()]
         if args.smoke:
-            argv += ["--settle-s", "0.3", "--profile-blocks", "1", "--low", "20", "--span", "10"]
+            argv += ["--settle-s", "0.3", "--profile-blocks", "1", "--low", "8", "--span", "4"]
         timeout = deadline - time.perf_counter()
         proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

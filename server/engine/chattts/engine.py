@@ -332,11 +332,7 @@ class ChatTTSEngine:
         return results
 
     def decode_tokens(self, hiddens: torch.Tensor) -> np.ndarray[Any, np.dtype[np.float32]]:
-        """One-shot decode of ``(T, hidden)`` states (the reference the stream is compared with).
-
-        The states may come from anywhere (a token tap's host copies): they move to the
-        engine's device first.
-        """
+        """One-shot decode of ``(T, hidden)`` states on any device (a stream's reference audio)."""
         with torch.inference_mode():
             return self._decode_fn(hiddens.to(self.device))
 
