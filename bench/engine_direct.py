@@ -8,7 +8,9 @@ loop), the way a perfectly efficient server would. Same engine settings as
 ``serve``'s defaults (device ``auto``, dtype ``auto``, the engine's own block
 schedule); a job's text is split into segments as the server splits it,
 and a job's segments run one after another in its slot. ``--max-audio-s``
-caps each segment's tokens the way the harness's cancel caps server streams.
+ends a job the way the harness's cancel ends a server stream: once the job
+has made that much audio in all (its row dropped mid-block, its later
+segments never started), not per segment; each segment's tokens are capped too.
 """
 
 from __future__ import annotations
@@ -54,13 +56,21 @@ class ClosedLoop:
         texts: the text set.
         max_tokens: the token cap of every segment.
         segment_max_chars: how the server would split a job's text.
+        max_audio_samples: a job's audio cap in all (0: none), as the harness caps a stream.
     """
 
     def __init__(
-        self, engine: Any, texts: list[BenchText], *, max_tokens: int, segment_max_chars: int
+        self,
+        engine: Any,
+        texts: list[BenchText],
+        *,
+        max_tokens: int,
+        segment_max_chars: int,
+        max_audio_samples: int = 0,
     ) -> None:
         self.engine, self.texts = engine, texts
         self.max_tokens, self.segment_max_chars = max_tokens, segment_max_chars
+        self.max_audio_samples = max_audio_samples
         self._next_seq = 0
         self._steps = StepTally()
 
@@ -121,7 +131,15 @@ class ClosedLoop:
                 result = results[slot.seq_id]
                 if result.audio.size:
                     _note_audio(slot.record, result.audio, now)
-                if result.finished:
+                capped = self.max_audio_samples and slot.record.samples >= self.max_audio_samples
+                if capped and not (result.finished and not slot.pending):
+                    # The harness cancels a stream once it has the cap: the rest is never made.
+                    if not result.finished:
+                        self.engine.drop(slot.seq_id)
+                    slot.record.capped, slot.record.reason, slot.record.t_done = True, "cancelled", now
+                    run.records.append(slot.record)
+                    slots.remove(slot)
+                elif result.finished:
                     if slot.pending:
                         self._submit(slot)
                     else:
@@ -209,7 +227,13 @@ def closed_loop(engine: Any, args: Any) -> ClosedLoop:
     """The closed loop the arguments describe (texts, ``--max-audio-s``, ``--segment-max-chars``)."""
     max_tokens = inproc.cap_tokens(args.max_audio_s)
     texts = inproc.texts_from(args)
-    return ClosedLoop(engine, texts, max_tokens=max_tokens, segment_max_chars=args.segment_max_chars)
+    return ClosedLoop(
+        engine,
+        texts,
+        max_tokens=max_tokens,
+        segment_max_chars=args.segment_max_chars,
+        max_audio_samples=round(args.max_audio_s * inproc.SAMPLE_RATE),
+    )
 
 
 def main() -> int:
