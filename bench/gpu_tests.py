@@ -12,6 +12,7 @@ import importlib.util
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def stage_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
     ]  # fmt: skip
     env = {**os.environ, "CHATTTS_TEST_DEVICE": args.device, "HF_HUB_OFFLINE": "1"}
     try:
-        proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        proc = run_as_group(argv, cwd=REPO_ROOT, env=env, timeout=limit)
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stdout or b"")[-2000:]
         return {
@@ -93,6 +94,25 @@ def stage_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
         first = proc.stdout.find("= FAILURES =")
         result["failure_text"] = proc.stdout[first:][:6000] if first >= 0 else proc.stdout[-6000:]
     return result
+
+
+def run_as_group(argv: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` (text, output captured) in a process group of its own, all killed at ``timeout``.
+
+    pytest-xdist's workers are the child's children: killing only the child, as
+    ``subprocess.run`` does, would leave them running the model tests on the GPU through the
+    stages after this one.
+    """
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=out) from exc
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def failure_reasons(output: str) -> dict[str, str]:

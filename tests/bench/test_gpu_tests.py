@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from bench.gpu_tests import failure_reasons, xdist_args
+from bench.gpu_tests import failure_reasons, run_as_group, xdist_args
 
 
 def test_workers_run_a_file_each_without_the_benchmark_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,3 +45,32 @@ def test_every_failure_keeps_its_reason() -> None:
         "tests/model/test_y.py::test_b[int8]": "AssertionError: assert 'cuda-graphs' == 'eager'",
         "tests/model/test_z.py": "",
     }
+
+
+def test_a_timed_out_stage_leaves_no_grandchild_running(tmp_path: Path) -> None:
+    """xdist's workers are the pytest process's children: the timeout must end them too."""
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_as_group([sys.executable, "-c", spawn], timeout=3.0)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and _alive(grandchild):
+        time.sleep(0.05)
+    alive = _alive(grandchild)
+    if alive:  # do not leave it behind when the check fails
+        os.kill(grandchild, signal.SIGKILL)
+    assert not alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
