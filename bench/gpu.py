@@ -163,11 +163,17 @@ def stage_step(args: argparse.Namespace, limit: float, workdir: Path) -> dict[st
     ]  # fmt: skip
     if args.smoke:
         argv += ["--iterations", "3"]
-    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=limit)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.gpu_step exited {proc.returncode}: {proc.stderr[-2000:]}")
-    data: dict[str, Any] = json.loads(out.read_text())
+    data = run_child_json(argv, out, limit)
     data["command"] = shlex.join(argv)
+    return data
+
+
+def run_child_json(argv: list[str], result: Path, timeout: float) -> dict[str, Any]:
+    """Run a ``python -m bench.…`` child and read the JSON it wrote; its stderr's end if it failed."""
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[2]} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    data: dict[str, Any] = json.loads(result.read_text())
     return data
 
 
@@ -191,11 +197,7 @@ def stage_engine(args: argparse.Namespace, limit: float, workdir: Path) -> dict[
             argv += ["--block-schedule", schedule.strip()]
         if args.smoke:
             argv += ["--settle-s", "0.3", "--profile-blocks", "1", "--low", "8", "--span", "4"]
-        timeout = deadline - time.perf_counter()
-        proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench.gpu_engine exited {proc.returncode}: {proc.stderr[-2000:]}")
-        data = json.loads(out.with_name(out.name + ".json").read_text())
+        data = run_child_json(argv, out.with_name(out.name + ".json"), deadline - time.perf_counter())
         runs[data["block_schedule"]] = {
             "command": shlex.join(argv),
             "default": schedule.strip() == "default",
