@@ -3,19 +3,49 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port() -> int:
-    """A loopback TCP port nothing listens on right now."""
+    """A loopback TCP port nothing uses right now, and the next one free too.
+
+    A server started with only ``--port`` serves HTTP on ``--port + 1``, so both must be
+    free. The port is drawn below the kernel's ephemeral range: a port the kernel hands out
+    (``bind(0)``, every outgoing connection's local end) can be taken by another client
+    between this check and the server's bind, which made a CI run's HTTP port busy.
+    """
+    low, high = _ports_below_ephemeral()
+    for _ in range(200):
+        port = random.randint(low, high - 1)
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    raise RuntimeError(f"no two free loopback ports in {low}-{high}")
+
+
+def _ports_below_ephemeral() -> tuple[int, int]:
+    """A range of ports the kernel never picks for ``bind(0)`` or outgoing connections."""
+    try:
+        first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default; macOS starts at 49152
+    return max(1024, first_ephemeral - 12000), first_ephemeral - 1
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def http_status(port: int, path: str) -> int:

@@ -16,7 +16,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from server.audio.pcm import to_pcm16
 from server.engine.fake import expected_audio
 from server.engine_api import SequenceRequest, SynthesisParams
 from server.text.segments import split_segments
+from tests.serverproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client_js"
@@ -92,13 +92,6 @@ def test_node_unit_tests() -> None:
 # --- servers and expected audio --------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
@@ -108,7 +101,7 @@ def _ready(port: int) -> bool:
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--engine", "fake", "--port", str(port), *flags],
         cwd=ROOT,
@@ -354,7 +347,7 @@ def test_a_page_on_an_allowed_origin_calls_the_http_api_and_another_cannot(tmp_p
     node = _require_browser_tools()
     from tests.integration.test_voices import TRANSCRIPT, encoded, recording
 
-    port = _free_port()
+    port = free_port()
     allowed, refused = f"http://127.0.0.1:{port}", f"http://localhost:{port}"
     flags = ["--api-keys", "page-key", "--allowed-origins", allowed, "--voices-dir", str(tmp_path / "voices")]
     proc = subprocess.Popen(

@@ -9,6 +9,7 @@ keys and values whose memory past a row's last unmasked position cannot be read 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -186,3 +187,31 @@ def test_a_failed_build_is_logged_and_reported_not_raised(
     with caplog.at_level(logging.WARNING, logger=decode_attention.__name__):
         assert decode_attention.build(broken, "chattts_stream_test_broken") is False
     assert "could not be built" in caplog.text and "math_attention" in caplog.text
+
+
+def test_a_baton_left_by_a_killed_build_does_not_stop_the_next_load(tmp_path: Path) -> None:
+    # torch's loader waits, forever, for the file `lock` in the build folder to go away; a
+    # process killed mid-build leaves it. The next build must clear it and go on.
+    source = tmp_path / "probe.cpp"
+    source.write_text('extern "C" int chattts_stream_lock_probe() { return 7; }\n')
+    extensions = tmp_path / "extensions"
+    name = "chattts_stream_test_stale_lock"
+    (extensions / name).mkdir(parents=True)
+    (extensions / name / "lock").write_text("")
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from server.engine.chattts.step import decode_attention
+        print(decode_attention.build(Path({str(source)!r}), {name!r}))
+        """
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited on the stale baton")
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
+    assert not (extensions / name / "lock").exists()
+    assert any((extensions / name).glob("*.so"))

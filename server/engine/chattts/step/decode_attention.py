@@ -15,14 +15,21 @@ batches of two rows or more (:func:`step_attention`).
 It is built with PyTorch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
 compiler and ninja, which the compiled step needs anyway) the first time a process asks for it,
 and cached in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``): about 12 s
-on two cores the first time, a load afterwards. A build that fails is logged once and
-the step keeps :func:`~server.engine.chattts.step.llama.math_attention` (the same values, slower).
+on two cores the first time, a load afterwards. Builds are serialized across processes by an
+``flock``, under which a baton left by a killed build is removed (:func:`_build_lock`). A
+build that fails is logged once and the step keeps
+:func:`~server.engine.chattts.step.llama.math_attention` (the same values, slower).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,20 +71,63 @@ def build(source: Path, name: str) -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(
-            name=name,
-            sources=[str(source)],
-            # at::parallel_for is OpenMP in PyTorch's builds, and a pragma without -fopenmp is
-            # silently one thread. The library it links, libgomp.so.1, is the one torch loaded.
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        directory = build_directory(name)
+        with _build_lock(directory):
+            load_extension(
+                name=name,
+                sources=[str(source)],
+                # at::parallel_for is OpenMP in PyTorch's builds, and a pragma without -fopenmp is
+                # silently one thread. The library it links, libgomp.so.1, is the one torch loaded.
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:
         log.warning("the C++ decode attention could not be built (%s); the step uses math_attention", exc)
         return False
     return True
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built and cached: ``TORCH_EXTENSIONS_DIR/name``.
+
+    Without ``TORCH_EXTENSIONS_DIR``, a folder per Python and torch version under torch's
+    default root (``~/.cache/torch_extensions``), so an upgraded torch never loads a library
+    built against another's headers.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+        root = os.path.join(get_default_build_root(), version.replace("+", "_"))
+    directory = Path(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold the build folder against other processes, and clear the baton a dead one left.
+
+    torch's loader guards a build with a file (``lock``) that its holder deletes when done; a
+    process killed while holding it (a SIGKILL, the OOM killer, a stopped CI run) leaves the
+    file, and every later load of the extension waits for it forever, even when the library
+    is built. An ``flock`` is released by the kernel when its holder dies, so under it no live
+    process of ours holds the baton, and one that exists is stale.
+    """
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = directory / "lock"
+            if baton.exists():
+                log.warning("removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def decode_attention(
