@@ -326,31 +326,3 @@ def test_an_interrupted_block_changes_neither_tokens_nor_audio(tiny_model_dir: A
     assert len(whole[0]) >= 50 and cut[2] > whole[2] + 3  # many more, shorter blocks
     assert torch.equal(whole[0], cut[0])
     assert np.array_equal(whole[1], cut[1])  # decodes stay at each row's schedule's targets
-
-
-def test_a_waiting_command_cuts_a_block_only_while_a_first_block_of_it_remains(
-    tiny_model_dir: Any,
-) -> None:
-    """Every cut is one more block end: a block with less than a first block to go runs on."""
-    from server.engine.chattts.engine import ChatTTSEngine
-
-    schedule = (4, 10, 12)
-    options = EngineOptions(min_tokens=40, block_schedule=schedule)
-    engine = ChatTTSEngine.load(
-        model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=options
-    )
-    engine.interrupt = lambda: True  # a command always waits
-    engine.add(req(901, "A command waits at every token boundary.", max_tokens=48))
-    per_step: list[int] = []
-    try:
-        while len(per_step) < 40:
-            (result,) = engine.step([901])
-            per_step.append(result.tokens)
-            if result.finished:
-                break
-    finally:
-        engine.close()
-    first = schedule[0]
-    # A window of w tokens: cut after every token while at least `first` remain, then whole.
-    expected = [n for w in (*schedule, schedule[-1]) for n in [1] * max(0, w - first) + [min(w, first)]]
-    assert per_step[: len(expected)] == expected

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: Builds the step runner around the static step (tests pass a recording one).
 RunnerFactory = Callable[[StepFn], StepRunner]
-#: Asked after a token while a first block's worth of the block remains: True ends it there.
+#: Asked after each token of a block but its last: True ends the block at that token boundary.
 Interrupt = Callable[[], bool]
 
 
@@ -338,13 +338,12 @@ class SlotBatch:
     ) -> list[StepResult]:
         """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released).
 
-        ``interrupt`` returning True ends the block after a token, while at least a first block
-        (``block_schedule[0]``) of it remains: a newcomer or a cancel waits less than a first
-        block, and no block near its end is cut (each cut is one more block end; cutting those
-        cost the server 8 % per token step at 8 streams: ``bench/results/cpu_c8_interrupt.md``).
-        Rows decode only at their schedules' targets, so a cut changes neither tokens nor audio.
+        ``interrupt`` returning True after a token ends the block there, so that a newcomer (or a
+        cancel) waits one token, not a whole block. A row decodes only at its own schedule's
+        targets, so an early end changes neither tokens nor audio: the rest of its block is the
+        next one.
         """
-        block, least_left = min(self._target(r) - r.undecoded for r in rows), self.layout.block_schedule[0]
+        block = min(self._target(r) - r.undecoded for r in rows)
         batch = bucket_for(self.batch_buckets, max(r.slot for r in rows) + 1)
         self.state.begin_block([r.slot for r in rows])
         longest = max(r.length for r in rows)
@@ -353,7 +352,7 @@ class SlotBatch:
             self.runner.run(batch, length)
             if not bool(self.state.any_alive):  # the one device→host read per token
                 break
-            if interrupt is not None and block - (t + 1) >= least_left and interrupt():
+            if interrupt is not None and t + 1 < block and interrupt():
                 break
         return self._end_block(rows, batch, token_tap)
 
