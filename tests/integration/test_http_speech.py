@@ -26,6 +26,7 @@ from server.frontends.common import OPENAI_VOICES
 from server.frontends.http.api import wav_header
 from server.text.segments import split_segments
 from tests.integration.conftest import fake_engine, fake_settings, wait_until
+from tests.serverproc import free_port
 from tests.wsclient import open_client, stream_payload
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"
@@ -301,9 +302,7 @@ async def reference_after_drain(text: str, seed: int) -> bytes:
 def busy_port_after_a_free_one() -> tuple[int, socket.socket]:
     """A port P that was free a moment ago and a listening socket on P + 1."""
     while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
+        port = free_port()
         blocker = socket.socket()
         try:
             blocker.bind(("127.0.0.1", port + 1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from server.app import App
 from server.engine.fake import FakeEngine
 from tests.integration.conftest import wait_until
 from tests.integration.test_incremental import ANSWER, llm_tokens
+from tests.serverproc import free_port
 from tests.wsclient import stream_payload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,9 +190,7 @@ async def test_refusals_and_lost_connections_are_livekit_api_errors(app: App) ->
 
 
 async def test_livekit_retries_a_connection_error_until_the_server_is_up(make_app: Any) -> None:
-    with socket.socket() as probe:  # a free port, where nothing listens until the first failure
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # nothing listens there until the first failure
     tts = ChatTTSStreamTTS(url=f"ws://127.0.0.1:{port}/v1/stream", seed=7)
     failures: list[Any] = []
     starting: list[asyncio.Task[App]] = []
