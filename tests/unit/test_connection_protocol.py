@@ -340,6 +340,39 @@ async def test_done_delivered_frees_the_slot_and_a_drain_closes(make_service: Ma
     assert conn.attached == {}
 
 
+async def deliver_all(conn: ConnectionProtocol, attachment: Attachment) -> list[Action]:
+    """Send every item of ``attachment`` as its pump would, then tell the connection it ended."""
+    async with asyncio.timeout(10):
+        async for _ in attachment.stream.deliver(attachment.lease, 0):
+            pass
+    return conn.pump_ended(attachment)
+
+
+async def test_a_cancel_racing_done_is_ignored_but_unknown_ids_stay_errors(make_service: MakeService) -> None:
+    service = await make_service("--max-streams", "2")
+    conn = connect(service)
+    await deliver_all(conn, start(conn, "a", "Short."))
+    # The client sent ``cancel`` before it read ``done``: nothing is left to stop, nothing is wrong.
+    assert send(conn, type="cancel", id="a") == []
+    assert error_of(send(conn, type="cancel", id="never"))["code"] == "bad_request"
+    # Only a cancel is forgiven: text for an ended stream is still refused (it would be lost).
+    assert error_of(send(conn, type="append", id="a", text="More."))["code"] == "bad_request"
+    # The memory is bounded by --max-streams: two newer ended streams push "a" out.
+    await deliver_all(conn, start(conn, "b", "Short."))
+    await deliver_all(conn, start(conn, "c", "Short."))
+    assert send(conn, type="cancel", id="c") == [] and send(conn, type="cancel", id="b") == []
+    assert error_of(send(conn, type="cancel", id="a"))["code"] == "bad_request"
+
+
+async def test_a_cancel_for_a_stream_that_moved_away_is_an_error(make_service: MakeService) -> None:
+    service = await make_service("--fake-step-ms", "20")
+    first, second = connect(service), connect(service)
+    old = start(first, "s", "A stream that moves to another connection. " * 3)
+    send(second, type="resume", stream=old.stream.token, after_seq=-1)
+    assert first.pump_ended(old) == []
+    assert error_of(send(first, type="cancel", id="s"))["code"] == "bad_request"
+
+
 async def test_invalid_messages_past_their_rate_close_the_connection(make_service: MakeService) -> None:
     service = await make_service("--invalid-messages-per-s", "3")
     now = [0.0]

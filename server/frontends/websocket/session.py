@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -61,6 +62,11 @@ from server.streams.stream import Lease, Stream, redact
 log = logging.getLogger(__name__)
 
 
+def _audio_of(stream: Stream) -> tuple[str, str, int, int]:
+    """What ``started`` and ``resumed`` tell of a stream: token, format, sample rate, Opus preskip."""
+    return stream.token, stream.encoder.format, stream.outbox.sample_rate, opus_preskip(stream.encoder)
+
+
 class ConnectionProtocol:
     """The state of one connection: its attached streams by the client's id, and their slots.
 
@@ -100,6 +106,8 @@ class ConnectionProtocol:
         self._forwarded = forwarded
         self._attached: dict[str, Attachment] = {}
         self._remote: dict[str, Remote] = {}  # streams relayed from their owner, by token
+        #: Ids whose ``done`` went out last: a ``cancel`` racing that ``done`` is not an error.
+        self._ended: deque[str] = deque(maxlen=max(1, info.max_streams))
         rate = service.settings.invalid_messages_per_s
         #: Invalid messages this connection may still send (refilled at ``rate`` per second).
         self._invalid = TokenBucket(rate, rate, rate, clock()) if rate > 0 else None
@@ -143,6 +151,8 @@ class ConnectionProtocol:
         remote = next((r for r in self._remote.values() if r.name == message.id), None)
         if remote is not None:  # its owner takes it (cancel, text)
             return [Relay(remote, msgspec.json.encode(message).decode())]
+        if isinstance(message, Cancel) and message.id not in self.attached and message.id in self._ended:
+            return []  # it ended (``done`` sent) before the cancel arrived: nothing left to stop
         stream = self._live(message.id)
         try:
             if isinstance(message, Cancel):
@@ -177,17 +187,8 @@ class ConnectionProtocol:
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
-        outbox = stream.outbox
-        started = wire.started(
-            msg.id,
-            attachment.slot,
-            stream.token,
-            stream.encoder.format,
-            outbox.sample_rate,
-            opus_preskip(stream.encoder),
-            stream.seed,
-        )
-        return [Send(started), StartPump(attachment, outbox.sent_index)]
+        started = wire.started(msg.id, attachment.slot, *_audio_of(stream), stream.seed)
+        return [Send(started), StartPump(attachment, stream.outbox.sent_index)]
 
     def _resume(self, msg: Resume) -> list[Action]:
         service = self._service
@@ -212,17 +213,8 @@ class ConnectionProtocol:
         lease = Lease(self._abort)
         index = service.resume(stream, msg.after_seq, lease)
         attachment = self._attach(stream, lease)
-        outbox = stream.outbox
-        resumed = wire.resumed(
-            stream.name,
-            attachment.slot,
-            stream.token,
-            msg.after_seq,
-            stream.encoder.format,
-            outbox.sample_rate,
-            opus_preskip(stream.encoder),
-            None if stream.text is None else stream.text.received,
-        )
+        received = None if stream.text is None else stream.text.received
+        resumed = wire.resumed(stream.name, attachment.slot, msg.after_seq, *_audio_of(stream), received)
         self._metrics.resumes.labels(how="local").inc()
         return [*actions, Send(resumed), StartPump(attachment, index)]
 
@@ -280,17 +272,7 @@ class ConnectionProtocol:
         if degraded is not None:
             actions.append(Send(wire.resume_degraded(stream.name, msg.stream, degraded)))
         if fresh:
-            outbox = stream.outbox
-            resumed = wire.resumed(
-                stream.name,
-                slot,
-                stream.token,
-                point.after_seq,
-                stream.encoder.format,
-                outbox.sample_rate,
-                opus_preskip(stream.encoder),
-            )
-            actions.append(Send(resumed))
+            actions.append(Send(wire.resumed(stream.name, slot, point.after_seq, *_audio_of(stream))))
         self._metrics.resumes.labels(how="regenerated" if degraded is None else "degraded").inc()
         return [*actions, StartPump(attachment, stream.outbox.sent_index)]
 
@@ -384,6 +366,8 @@ class ConnectionProtocol:
         """``attachment``'s items stopped flowing (``done`` went out, or the stream moved)."""
         if self._attached.get(attachment.stream.name) is attachment:
             del self._attached[attachment.stream.name]
+            if not attachment.lease.revoked:  # ``done`` went out (not moved to another connection)
+                self._ended.append(attachment.stream.name)
         if self._forwarded and not self.attached:  # the forwarding replica learns it is over
             return [Close(1000, "the forwarded stream is done or moved")]
         return self.close_if_idle()

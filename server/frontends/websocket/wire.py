@@ -267,8 +267,8 @@ def resume_degraded(name: str, token: str, reason: str) -> str:
 def resumed(
     name: str,
     slot: int,
-    token: str,
     after_seq: int,
+    token: str,
     fmt: str,
     sample_rate: int,
     preskip: int,
