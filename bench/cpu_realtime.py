@@ -20,7 +20,15 @@
    (pcm16, medium and long texts so that streams last several seconds, cut after
    ``--max-audio-s``); ``--rounds`` > 1 repeats the servers with their order flipped;
 3. **in-process**: ChatTTS's own ``infer()`` (stock float32) and the engine stepping in
-   this process (``bench.engine_direct``: default, int8, w8a8, and each compiled) at the same levels.
+   this process (``bench.engine_direct``: default, int8, w8a8, and each compiled) at the same levels;
+4. **ratio** (not in the default parts): each of ``--ratio-systems`` against its engine
+   in-process at ``--ratio-concurrency`` (8), interleaved over ``--ratio-rounds``: server then
+   engine, then engine then server, … (one server process for every round; a fresh engine
+   child each round; the same jobs and seeds every time), so that a drift of the machine
+   falls on both sides. The report's target row for the ratio then uses the means of these
+   rounds instead of two single runs. A 2-round run of the compiled w8a8 pair takes ~20 min::
+
+       python -m bench.cpu_realtime --model-dir /tmp/dev-full --parts ratio --out X
 
 Every result records the 1-minute load average after it (the machine is shared). Writes
 ``OUT.json`` (everything, every stream) and ``OUT.md`` (:mod:`bench.cpu_report`) after each
@@ -41,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_report import render
+from bench.cpu_report import SERVER_ENGINE, render
 from bench.machine import describe_machine
 from bench.servers import CHILD_ENV, REPO_ROOT, ServerProcess, engine_thread_figures, scrape_metrics
 from server.config import OPENMP_VARIABLES, Settings
@@ -94,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-audio-s", type=float, default=6.0, help="each stream is cut after this much audio")
     p.add_argument("--text-sizes", default="medium,long", help="texts of the default set to use")
     p.add_argument("--rounds", type=int, default=1, help="server rounds (order flipped each round)")
+    p.add_argument(
+        "--ratio-systems",
+        default="after-compiled-w8a8",
+        help="servers of part 'ratio' (each against its engine)",
+    )
+    p.add_argument("--ratio-rounds", type=int, default=2, help="rounds of part 'ratio' (order flipped each)")
+    p.add_argument("--ratio-concurrency", type=int, default=8, help="the level of part 'ratio'")
     p.add_argument("--step-rounds", type=int, default=3, help="rounds of the step part")
     p.add_argument("--step-length", type=int, default=256, help="attention length of the step part")
     p.add_argument("--step-batches", default="1,4,8", help="batch sizes of the step part")
@@ -122,6 +137,7 @@ class Run:
             "step": None,
             "systems": {},
             "scenarios": [],
+            "ratio_scenarios": [],  # part 'ratio', each tagged with its round
             "skipped": [],
         }
         if args.before is not None:
@@ -154,17 +170,18 @@ class Run:
             return
         self.result["step"] = {"command": shlex.join(argv), **json.loads(out.read_text())}
 
-    def harness(self) -> Any:
-        """The ``python -m bench`` harness with this run's load settings."""
+    def harness(self, concurrency: str | None = None) -> Any:
+        """The ``python -m bench`` harness with this run's load settings (at ``concurrency``: one level)."""
         from bench.cli import Harness
         from bench.cli import build_parser as bench_parser
 
         a = self.args
+        levels = concurrency or a.concurrency
         bench_argv = [
             "--model-dir", str(a.model_dir), "--threads", str(a.threads), "--formats", "pcm16",
-            "--concurrency", a.concurrency, "--duration", str(a.duration), "--grace-s", "60",
+            "--concurrency", levels, "--duration", str(a.duration), "--grace-s", "60",
             "--timeout-s", "240", "--max-audio-s", str(a.max_audio_s), "--text-sizes", a.text_sizes,
-            "--jitter-ms", "100,300", "--engine-concurrency", a.concurrency, "--settle-s", "2",
+            "--jitter-ms", "100,300", "--engine-concurrency", levels, "--settle-s", "2",
         ]  # fmt: skip
         return Harness(bench_parser().parse_args(bench_argv), bench_argv)
 
@@ -183,6 +200,18 @@ class Run:
                 self.write()
 
     async def _serve(self, harness: Any, name: str, extra: list[str], cwd: Path, round_: int) -> None:
+        server = await self._start_server(harness, name, extra, cwd, round_)
+        if server is None:
+            return
+        try:
+            await _measure(harness, name, server)
+        finally:
+            await server.stop()
+
+    async def _start_server(
+        self, harness: Any, name: str, extra: list[str], cwd: Path, round_: int
+    ) -> ServerProcess | None:
+        """``serve`` with ``extra`` flags, started and described in the results (None: it failed)."""
         from bench.client import fetch_hello
 
         flags = [*harness.server_flags(), "--cache-bytes", "0", *extra, *self.schedule_flags()]
@@ -192,23 +221,15 @@ class Run:
             await server.start(timeout_s=900)
         except RuntimeError as exc:
             self.result["skipped"].append({"what": f"server {name}", "why": str(exc)})
-            return
+            return None
         try:
             hello = await fetch_hello(server.url)
-            entry = {"hello": hello, "server": server.describe(), "cwd": str(cwd)}
-            self.result["systems"].setdefault(name, []).append(entry)
-            metrics_url = f"http://127.0.0.1:{server.port}/metrics"
-            for spec in harness.loads:
-                # The inference thread's own figures around the scenario: is the server's step as
-                # fast as its engine's in-process, and is the thread stepping all the time?
-                before, began = await _scrape(metrics_url), time.perf_counter()
-                await harness.run_scenario(name, server.url, spec, "pcm16", server)
-                after = await _scrape(metrics_url)
-                if before is not None and after is not None:
-                    figures = engine_thread_figures(before, after, time.perf_counter() - began)
-                    harness.scenarios[-1]["engine_thread"] = figures
-        finally:
+        except BaseException:
             await server.stop()
+            raise
+        entry = {"hello": hello, "server": server.describe(), "cwd": str(cwd)}
+        self.result["systems"].setdefault(name, []).append(entry)
+        return server
 
     def schedule_flags(self) -> list[str]:
         """``--block-schedule`` for every server and in-process engine, when one is asked for."""
@@ -229,6 +250,63 @@ class Run:
                 self.result["systems"][name] = [harness.systems[name]]
         self.result["skipped"] += harness.skipped
         self.result["scenarios"] = harness.scenarios
+
+    async def ratio(self) -> None:
+        """Part 'ratio': each server and its engine in-process, interleaved (see the module's doc)."""
+        a = self.args
+        level = a.ratio_concurrency
+        harness = self.harness(str(level))
+        for name in a.ratio_systems.split(","):
+            engine = SERVER_ENGINE.get(name)
+            if name not in SYSTEMS or SYSTEMS[name][1] != "after" or engine is None:
+                self.result["skipped"].append(
+                    {"what": f"ratio {name}", "why": "no engine in-process to match"}
+                )
+                continue
+            server = await self._start_server(harness, name, SYSTEMS[name][0], REPO_ROOT, 0)
+            if server is None:
+                continue
+            try:
+                for round_, side in interleaved(a.ratio_rounds):
+                    taken = len(harness.scenarios)
+                    if side == "server":
+                        await _measure(harness, name, server)
+                    else:
+                        extra = [*ENGINES[engine], *self.schedule_flags()]
+                        await harness.measure_inprocess(engine, "bench.engine_direct", [level], extra)
+                    for scenario in harness.scenarios[taken:]:
+                        scenario["ratio_round"] = round_
+                    self.result["ratio_scenarios"] = harness.scenarios
+                    self.write()
+            finally:
+                await server.stop()
+            if engine in harness.systems:
+                self.result["systems"].setdefault(engine, []).append(harness.systems[engine])
+        self.result["skipped"] += harness.skipped
+
+
+def interleaved(rounds: int) -> list[tuple[int, str]]:
+    """(round, side) in the order part 'ratio' runs them: server first in even rounds, engine in odd."""
+    order: list[tuple[int, str]] = []
+    for r in range(rounds):
+        sides = ("server", "engine") if r % 2 == 0 else ("engine", "server")
+        order += [(r, side) for side in sides]
+    return order
+
+
+async def _measure(harness: Any, name: str, server: ServerProcess) -> None:
+    """The harness's loads against ``server``, each with the inference thread's figures around it.
+
+    Is the server's step as fast as its engine's in-process, and is the thread stepping all the time?
+    """
+    metrics_url = f"http://127.0.0.1:{server.port}/metrics"
+    for spec in harness.loads:
+        before, began = await _scrape(metrics_url), time.perf_counter()
+        await harness.run_scenario(name, server.url, spec, "pcm16", server)
+        after = await _scrape(metrics_url)
+        if before is not None and after is not None:
+            figures = engine_thread_figures(before, after, time.perf_counter() - began)
+            harness.scenarios[-1]["engine_thread"] = figures
 
 
 async def _scrape(url: str) -> dict[str, float] | None:
@@ -270,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run.servers(harness))
     if "inprocess" in parts:
         asyncio.run(run.inprocess(harness))
+    if "ratio" in parts:
+        asyncio.run(run.ratio())
     run.result["skipped"] = list({json.dumps(s): s for s in run.result["skipped"]}.values())
     run.write()
     print(render(run.result), flush=True)
