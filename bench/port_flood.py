@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import sys
 import time
 import urllib.error
@@ -27,14 +26,9 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
+from tests.serverproc import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _status(port: int, path: str) -> int | str:
@@ -62,7 +56,7 @@ async def _stream(port: int) -> str:
 
 async def probe(tree: Path, nofile: int, silent: int) -> dict[str, Any]:
     """One run: the server under ``nofile`` open files, ``silent`` connections to its HTTP port."""
-    port = _free_port()
+    port = free_port()
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))

@@ -6,7 +6,6 @@ import asyncio
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 import urllib.error
@@ -14,16 +13,10 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from tests.serverproc import free_port  # one port picker for tests and benchmarks
+
 #: ``python -m server serve`` from the repository that holds ``bench/``.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port that was free on loopback a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_status(url: str, timeout_s: float = 5.0) -> int:
