@@ -10,7 +10,9 @@ schedule); a job's text is split into segments as the server splits it,
 and a job's segments run one after another in its slot. ``--max-audio-s``
 ends a job the way the harness's cancel ends a server stream: once the job
 has made that much audio in all (its row dropped mid-block, its later
-segments never started), not per segment; each segment's tokens are capped too.
+segments never started), not per segment, and counting no audio past the cap
+(the harness's client drops what its stream sends after the frame that
+reaches the cap); each segment's tokens are capped too.
 """
 
 from __future__ import annotations
@@ -129,8 +131,14 @@ class ClosedLoop:
             self._steps.add(now - stepped, len(slots), max((r.tokens for r in results.values()), default=0))
             for slot in list(slots):
                 result = results[slot.seq_id]
-                if result.audio.size:
-                    _note_audio(slot.record, result.audio, now)
+                audio = result.audio
+                if self.max_audio_samples:
+                    # The harness's cancel ends its stream's iteration at the frame that reaches the
+                    # cap and drops the rest of the block: a server is credited with no audio past
+                    # the cap, so neither is the engine.
+                    audio = audio[: max(0, self.max_audio_samples - slot.record.samples)]
+                if audio.size:
+                    _note_audio(slot.record, audio, now)
                 capped = self.max_audio_samples and slot.record.samples >= self.max_audio_samples
                 if capped and not (result.finished and not slot.pending):
                     # The harness cancels a stream once it has the cap: the rest is never made.
