@@ -153,7 +153,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
                 rows.append((f"{name}: server ≥ 0.95× the engine in-process at c8", numbers, ratio >= 0.95))
     for name, pair in pairs.items():  # part 'ratio' measured it interleaved: its means decide
         numbers = (
-            f"{_f(pair['server_mean'], 2)} / {_f(pair['engine_mean'], 2)} = {_f(pair['ratio'], 2)}× "
+            f"{_f(pair['server_mean'], 2)} / {_f(pair['engine_mean'], 2)} = {_f(pair['ratio'], 3)}× "
             f"(means of {pair['rounds']} interleaved rounds; each round {_rounds_text(pair)})"
         )
         what = f"{name}: server ≥ 0.95× the engine in-process at c{pair['concurrency']}"
