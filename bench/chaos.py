@@ -79,6 +79,8 @@ def server_flags(args: argparse.Namespace, keys_file: Path, http_port: int, wyom
     """``serve`` flags of the server under test."""
     flags = ["--engine", "fake", "--http-port", str(http_port), "--wyoming-port", str(wyoming_port)]
     flags += ["--api-keys-file", str(keys_file), "--allowed-origins", ORIGIN]
+    # The normal tenant's voice lives in the run's own folder, not in the user's cache.
+    flags += ["--voices-dir", str(keys_file.parent / "voices")]
     flags += ["--memory-budget-bytes", str(args.budget_mib * 1024 * 1024), "--cache-bytes", "0"]
     flags += ["--resume-ttl-s", "5", "--drain-timeout-s", str(args.drain_timeout_s), "--max-queue", "64"]
     flags += ["--log-level", "info"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.bench.harness import run_module
 
 ATTACKS = ("memory", "resume_past_end", "tenancy", "tag_only")
@@ -26,7 +28,11 @@ CHECKS = {
 }  # fmt: skip
 
 
-def test_chaos_smoke_keeps_every_normal_stream(tmp_path: Path) -> None:
+def test_chaos_smoke_keeps_every_normal_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's default folders go under tmp_path: the run must leave the user's cache alone
+    # (its normal tenant's voice once stayed behind in ~/.cache/chattts-stream/voices).
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CHATTTS_CACHE_DIR", str(cache))
     out = tmp_path / "chaos"
     flags = ["--duration-s", "16", "--attack-s", "4", "--quiet-s", "2", "--attacks", ",".join(ATTACKS)]
     flags += ["--ws-workers", "2", "--budget-mib", "64", "--margin-mib", "192", "--out", str(out)]
@@ -37,6 +43,7 @@ def test_chaos_smoke_keeps_every_normal_stream(tmp_path: Path) -> None:
     results = json.loads(out.with_name("chaos.json").read_text())
     report = out.with_name("chaos.md").read_text()
     assert "| zero lost or corrupted normal streams |" in report and "## Attacks" in report
+    assert not (cache / "voices").exists() or not any((cache / "voices").iterdir())
 
     assert set(results) >= TOP_KEYS and results["schema"] == "chattts-stream-chaos/1"
     checks = results["acceptance"]["checks"]
