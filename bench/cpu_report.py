@@ -338,13 +338,13 @@ def _ratio_table(result: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for name, pair in pairs.items():
+        level = f"{name} c{pair['concurrency']}"
         for round_, server, engine in pair["per_round"]:
             ratio = server / engine if engine > 0 else None
-            level = f"{name} c{pair['concurrency']}"
             lines.append(f"| {level} | {round_} | {server:.2f} | {engine:.2f} | {_f(ratio, 3)}× |")
         lines.append(
-            f"| {name} c{pair['concurrency']} | **mean** | {pair['server_mean']:.2f} | "
-            f"{pair['engine_mean']:.2f} | **{_f(pair['ratio'], 3)}×** |"
+            f"| {level} | **mean** | {pair['server_mean']:.2f} | {pair['engine_mean']:.2f} | "
+            f"**{_f(pair['ratio'], 3)}×** |"
         )
     threads = [s for s in result.get("ratio_scenarios", []) if s.get("engine_thread")]
     if threads:
