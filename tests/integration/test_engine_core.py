@@ -9,6 +9,7 @@ engine's step and event logs, not from wall time.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -309,9 +310,13 @@ class Interruptible(FakeEngine):
         self.interrupt: Callable[[], bool] | None = None
         self.slow = False
         self.cut_short = 0
+        #: Set once a slow step is under way (the test sends its command only then).
+        self.in_slow_step = threading.Event()
 
     def step(self, seq_ids: list[int]) -> list[StepResult]:
         deadline = time.monotonic() + 5.0
+        if self.slow:
+            self.in_slow_step.set()
         while self.slow and time.monotonic() < deadline:
             if self.interrupt is not None and self.interrupt():
                 self.cut_short += 1
@@ -324,10 +329,15 @@ async def test_a_waiting_command_ends_the_running_block_so_a_newcomer_joins_at_o
     engine = Interruptible()
     async with run_core(engine, max_wait_s=0.0) as sched:
         assert engine.interrupt is not None  # the core set it once the engine was ready
-        engine.slow, warm_steps = True, len(engine.steps)
+        engine.slow = True
         first, newcomer = Sink(), Sink()
         sched.submit(["A long first stream, with many blocks to go."], SynthesisParams(seed=1), first)
-        await wait_steps(engine, warm_steps + 1)  # the next step is in flight: 5 s, unless cut short
+        # Send the newcomer only once a slow step is in flight (5 s, unless cut short). Waiting for
+        # a step to be *recorded* raced on a loaded machine: the command could reach the core
+        # between two steps, join without a cut, and leave ``cut_short`` at 0.
+        async with asyncio.timeout(10):
+            while not engine.in_slow_step.is_set():
+                await asyncio.sleep(0.001)
         sched.submit(["newcomer."], SynthesisParams(seed=2), newcomer)
         async with asyncio.timeout(4.0):  # inside the 5 s one uninterrupted step lasts
             while ("add", 1) not in list(engine.events):  # the newcomer (seq 1) joined the batch
