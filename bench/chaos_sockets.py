@@ -17,7 +17,7 @@ import wave
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.chaos_attacks import Tally, Target
+    from bench.chaos_target import Tally, Target
 
 READ_S = 5.0
 #: Connections each slow-HTTP and idle-Wyoming attack holds at once.
