@@ -157,3 +157,13 @@ async def test_the_memory_budget_frees_the_oldest_ended_stream_first(pool: Threa
     assert world.registry.budget_victim(world.budget) is made_first[0]
     made_first[0].close()
     assert world.registry.budget_victim(world.budget) is running
+
+
+def test_every_format_and_rate_has_a_measured_encoder_size() -> None:
+    # A new format or rate must be measured (python -m bench.encoder_state), not charged a guess.
+    from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
+    from server.audio.footprint import ENCODER_STATE_BYTES
+
+    assert {(f, r) for f in SUPPORTED_FORMATS for r in SUPPORTED_RATES} == {
+        (f, r) for f, by_rate in ENCODER_STATE_BYTES.items() for r in by_rate
+    }
