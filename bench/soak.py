@@ -53,9 +53,11 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from bench import soak_churn
 from bench.client import fetch_hello
 from bench.machine import describe_machine
 from bench.servers import CHILD_ENV, ServerProcess
+from bench.soak_churn import DEFAULT_MARGIN_MIB
 from bench.soak_report import (
     RSS_GROWTH_LIMIT_PCT,
     Sampler,
@@ -794,6 +796,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (.png and .md beside it)")
     p.add_argument("--no-plot", action="store_true")
+    churn = p.add_argument_group(
+        "churn (bench.soak_churn): start/cancel from one client, default server flags"
+    )
+    churn.add_argument("--churn", action="store_true", help="run the churn soak instead of the mix")
+    churn.add_argument("--duration-s", type=float, default=600.0, help="churn: how long, after the warm-up")
+    churn.add_argument(
+        "--warmup-s", type=float, default=30.0, help="churn: warm-up (the same churn) before it"
+    )
+    churn.add_argument("--churn-connections", type=int, default=4, help="churn: the client's connections")
+    churn.add_argument(
+        "--margin-mib",
+        type=float,
+        default=DEFAULT_MARGIN_MIB,
+        help="churn: RSS allowed above the warm baseline plus the server's memory budget",
+    )
     return p.parse_args(argv)
 
 
@@ -959,6 +976,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "chattts" and not (args.model_dir or args.dev_model):
         print("bench.soak: --engine chattts needs --model-dir or --dev-model", file=sys.stderr)
         return 2
+    if args.churn:
+        return soak_churn.main(args, argv)
     out: Path = args.out or Path(tempfile.gettempdir()) / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
         import uvloop

@@ -174,6 +174,14 @@ class Settings:
     )
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, how long running streams may take to finish")
     resume_ttl_s: float = _opt(30.0, "how long a disconnected stream waits to be resumed (0: cancel at once)")
+    max_ended_streams_per_client: int = _opt(
+        64,
+        "ended streams (delivered or cancelled, or finished while disconnected) one client's streams keep "
+        "for a resume; past it the one that ended first is freed",
+    )
+    max_ended_streams: int = _opt(
+        4096, "ended streams kept for a resume, all clients together; past it the one that ended first goes"
+    )
     # Resume on any replica (docs/operations.md section 5): signed tokens, forwarding, regeneration.
     resume_secret: str = _opt(
         "",

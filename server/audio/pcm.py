@@ -45,7 +45,8 @@ class PcmEncoder:
         n = self.frame_samples
         full = len(pending) // n
         frames = [EncodedFrame(self._payload(pending[i * n : (i + 1) * n]), n) for i in range(full)]
-        self._pending = pending[full * n :]
+        # A copy: a view of the remainder would keep this whole chunk alive until the next push.
+        self._pending = pending[full * n :].copy()
         return frames
 
     def finish(self) -> list[EncodedFrame]:

@@ -73,3 +73,34 @@ class MemoryBudget:
         self._scheduled = False
         if self.over:
             self._on_over()
+
+
+class Held:
+    """Things of a known size one stream holds besides its buffers, each charged until dropped.
+
+    Args:
+        charge: the client's charger (:meth:`MemoryBudget.charger`); None: not counted.
+        sizes: bytes by name (``stream``, ``encoder``, ``text``), charged now.
+    """
+
+    __slots__ = ("_charge", "_sizes")
+
+    def __init__(self, charge: Callable[[int], None] | None, **sizes: int) -> None:
+        self._charge = charge
+        self._sizes = {name: size for name, size in sizes.items() if size}
+        if charge is not None and self._sizes:
+            charge(sum(self._sizes.values()))
+
+    @property
+    def total(self) -> int:
+        """Bytes charged now."""
+        return sum(self._sizes.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sizes
+
+    def drop(self, name: str) -> None:
+        """``name`` was freed: give its bytes back (once)."""
+        size = self._sizes.pop(name, 0)
+        if size and self._charge is not None:
+            self._charge(-size)

@@ -77,7 +77,8 @@ class Outbox:
         self.attached = True
         self.sent_index = 0  # absolute index of the next item the attached sender sends
         self._sent_samples = 0
-        self._charge = charge
+        #: Charges the stream's client (the memory budget); the stream charges what else it holds to it.
+        self.charge = charge
         #: Bytes charged to the memory budget for the items held (payloads and their objects).
         self.charged_bytes = 0
         self._released = False
@@ -214,8 +215,8 @@ class Outbox:
 
     def _count(self, delta: int) -> None:
         self.charged_bytes += delta
-        if self._charge is not None:
-            self._charge(delta)
+        if self.charge is not None:
+            self.charge(delta)
 
     def release(self) -> None:
         """The stream was freed: drop every item and give their bytes back to the budget."""

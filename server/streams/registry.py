@@ -1,9 +1,18 @@
-"""Every live stream by its resume token, and which of them the TTL, the replay or the memory budget frees."""
+"""Every live stream by its resume token; which of them the TTL, the caps, the replay or memory budget free.
+
+Ended streams kept only for a resume (delivered ones, and detached ones whose generation
+ended: :attr:`Stream.lingering <server.streams.stream.Stream.lingering>`) are capped per
+client (``--max-ended-streams-per-client``) and in all (``--max-ended-streams``): past a cap
+the one that ended longest ago is freed. Without the caps a client that starts and cancels
+streams in a loop keeps a resume TTL's worth of them (issue #42).
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
+from server.config import Settings
 from server.streams.budget import MemoryBudget
 from server.streams.stream import Stream, StreamState
 
@@ -11,10 +20,33 @@ from server.streams.stream import Stream, StreamState
 class StreamRegistry:
     """Streams by token; the service frees what :meth:`expired` and :meth:`over_budget` name."""
 
-    def __init__(self, *, ttl_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        ttl_s: float,
+        clock: Callable[[], float],
+        max_ended: int | None = None,
+        max_ended_per_client: int | None = None,
+    ) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
         self._streams: dict[str, Stream] = {}
+        #: The caps on ended streams kept for a resume (None: no cap).
+        self.max_ended = None if max_ended is None else max(0, max_ended)
+        self.max_ended_per_client = None if max_ended_per_client is None else max(0, max_ended_per_client)
+        #: Ended streams kept for a resume, in the order they ended: in all and by client.
+        self._ended: OrderedDict[str, Stream] = OrderedDict()
+        self._ended_by_client: dict[str, OrderedDict[str, Stream]] = {}
+
+    @classmethod
+    def for_settings(cls, settings: Settings, clock: Callable[[], float]) -> StreamRegistry:
+        """The registry ``settings`` ask for (``--resume-ttl-s``, the caps on ended streams)."""
+        return cls(
+            ttl_s=settings.resume_ttl_s,
+            clock=clock,
+            max_ended=settings.max_ended_streams,
+            max_ended_per_client=settings.max_ended_streams_per_client,
+        )
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -30,6 +62,34 @@ class StreamRegistry:
     def remove(self, stream: Stream) -> None:
         """Forget a stream (it was freed)."""
         self._streams.pop(stream.token, None)
+        self._forget_ended(stream)
+
+    def ended(self, client: str | None = None) -> list[Stream]:
+        """Ended streams kept for a resume (of ``client``, or all), the one that ended first first."""
+        kept = self._ended if client is None else self._ended_by_client.get(client)
+        return [] if kept is None else list(kept.values())
+
+    def linger(self, stream: Stream) -> None:
+        """``stream`` may have ended or been resumed: keep it in line, then free what the caps exceed."""
+        if stream.token not in self._streams:
+            return
+        self._forget_ended(stream)
+        if not stream.lingering:
+            return
+        self._ended[stream.token] = stream  # the newest: freed last
+        mine = self._ended_by_client.setdefault(stream.client, OrderedDict())
+        mine[stream.token] = stream
+        for kept, cap in ((mine, self.max_ended_per_client), (self._ended, self.max_ended)):
+            while cap is not None and len(kept) > cap:
+                _free_kept(next(iter(kept.values())))
+
+    def _forget_ended(self, stream: Stream) -> None:
+        if self._ended.pop(stream.token, None) is None:
+            return
+        mine = self._ended_by_client[stream.client]
+        del mine[stream.token]
+        if not mine:
+            del self._ended_by_client[stream.client]
 
     def all(self) -> list[Stream]:
         """Every held stream, oldest first."""
@@ -53,18 +113,15 @@ class StreamRegistry:
     def sweep(self, replay_total_bytes: int) -> None:
         """Free every stream whose TTL has passed, then delivered ones over the replay budget."""
         for stream in self.expired():
-            if stream.state is StreamState.DETACHED:
-                stream.expire()
-            else:
-                stream.close()
+            _free_kept(stream)
         for stream in self.over_budget(replay_total_bytes):
             stream.close()
 
     def free_for_budget(self, budget: MemoryBudget) -> list[Stream]:
         """Free streams until ``budget`` is kept again; returns those freed.
 
-        Delivered streams (kept only for a late resume) go first, oldest first; then the
-        streams of the client that holds the most, its biggest first. A freed stream's
+        Ended streams kept only for a resume go first, the one that ended first first; then
+        the streams of the client that holds the most, its biggest first. A freed stream's
         connection, if it has one, is aborted (its client was not reading fast enough: the
         same answer as ``--max-buffered-s``); its token then answers ``unknown_stream``.
         """
@@ -78,11 +135,11 @@ class StreamRegistry:
 
     def budget_victim(self, budget: MemoryBudget) -> Stream | None:
         """The stream to free next for the memory budget (:meth:`free_for_budget`)."""
-        streams = self._streams.values()  # oldest first
-        delivered = next((s for s in streams if s.state is StreamState.DELIVERED), None)
-        if delivered is not None:
-            return delivered
+        ended = next(iter(self._ended.values()), None)
+        if ended is not None:
+            return ended
         client = budget.biggest_client()
+        streams = self._streams.values()
         return max((s for s in streams if s.client == client), key=lambda s: s.buffered_bytes, default=None)
 
     def over_budget(self, max_bytes: int) -> list[Stream]:
@@ -96,3 +153,11 @@ class StreamRegistry:
                 victims.append(stream)
                 total -= stream.outbox.held_bytes
         return victims
+
+
+def _free_kept(stream: Stream) -> None:
+    """Free a stream nobody sends: a detached one expires (counted so), a delivered one closes."""
+    if stream.state is StreamState.DETACHED:
+        stream.expire()
+    else:
+        stream.close()

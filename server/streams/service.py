@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -65,7 +66,7 @@ class SpeechService:
         self.engine = engine
         self.metrics = metrics
         self._clock = clock
-        self.registry = StreamRegistry(ttl_s=settings.resume_ttl_s, clock=clock)
+        self.registry = StreamRegistry.for_settings(settings, clock)
         #: Everything buffered for clients; past ``--memory-budget-bytes`` streams are freed.
         self.budget = MemoryBudget(settings.memory_budget_bytes, self.free_over_budget)
         #: SIGTERM was received: new streams are refused with ``Draining``.
@@ -188,6 +189,7 @@ class SpeechService:
             ttl_s=self.registry.ttl_s,
             on_complete=on_complete,
             on_freed=self.registry.remove,
+            on_linger=self.registry.linger,
             clock=self._clock,
             owner=owner,
             client=who.client,
@@ -217,7 +219,7 @@ class SpeechService:
                 self.metrics.cache_hits.inc()
                 return None, None
             self.metrics.cache_misses.inc()
-            on_complete = self._storer(cache, key)
+            on_complete = functools.partial(self._store, cache, key)
         params = params_with_voice(request, who.voice)
         generation = self.engine.generate(
             GenerateRequest(
@@ -263,14 +265,10 @@ class SpeechService:
         s = self.settings
         return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
 
-    def _storer(self, cache: ResponseCache, key: str) -> Callable[[Stream], None]:
-        def store(stream: Stream) -> None:
-            items = stream.outbox.snapshot()
-            if items is not None:
-                cache.put(key, items)
-                self.metrics.cache_bytes.set(cache.size)
-
-        return store
+    def _store(self, cache: ResponseCache, key: str, stream: Stream) -> None:
+        if (items := stream.outbox.snapshot()) is not None:
+            cache.put(key, items)
+            self.metrics.cache_bytes.set(cache.size)
 
     # --- resuming, sending, freeing -------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import msgspec
 
-from server.audio import opus_preskip
 from server.errors import ServiceError, UnknownStream
 from server.frontends.access import tenant_of
 from server.frontends.common import ServerInfo
@@ -64,7 +63,7 @@ log = logging.getLogger(__name__)
 
 def _audio_of(stream: Stream) -> tuple[str, str, int, int]:
     """What ``started`` and ``resumed`` tell of a stream: token, format, sample rate, Opus preskip."""
-    return stream.token, stream.encoder.format, stream.outbox.sample_rate, opus_preskip(stream.encoder)
+    return stream.token, stream.format, stream.sample_rate, stream.preskip
 
 
 class ConnectionProtocol:
