@@ -21,6 +21,7 @@ from aiohttp import WSMsgType, web
 
 from server.frontends.common import SendAborted, abort_transport, send_within
 from server.frontends.elevenlabs.session import Action, Close, Deliver, ElevenLabsSession, Send
+from server.frontends.lifecycle import end_connection
 from server.metrics import Metrics
 from server.streams.stream import Lease, Stream
 
@@ -73,12 +74,11 @@ class ElevenLabsSocket:
         except (ConnectionError, SendAborted):
             pass
         finally:
+            # First, before any await: aiohttp cancels this handler when its client goes.
+            self._closed = True
             pumps = list(self._pumps.values())
             self._pumps.clear()
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            self.session.connection_lost()
+            await end_connection(self.session.connection_lost, pumps)
             if not self._ws.closed:
                 with contextlib.suppress(ConnectionError):
                     await self._ws.close()
