@@ -21,8 +21,10 @@ import urllib.request
 
 import aiohttp
 import pytest
+from livekit.plugins import elevenlabs as lk_elevenlabs
 from websockets.asyncio.client import connect
 
+from tests.integration.conftest import MakeApp, wait_until
 from tests.serverproc import free_port, spawn_server, wait_ready
 
 LONG = "A long sentence that keeps the fake engine busy for a good while yet. " * 12
@@ -123,3 +125,31 @@ async def test_a_socket_closed_mid_turn_frees_its_streams_and_the_drain_does_not
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# --- LiveKit's own ElevenLabs plugin, its streams closed mid-turn ------------------------------
+
+SLOW = ("--fake-step-ms", "200", "--segment-lookahead", "0", "--cache-bytes", "0")
+ROUNDS = 20
+
+
+async def test_livekit_streams_closed_mid_turn_leave_no_stream(make_app: MakeApp) -> None:
+    """LiveKit's plugin, unchanged: each round speaks a long text; the agent closes it at its first audio."""
+    app = await make_app(*SLOW)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(ROUNDS):
+            tts = lk_elevenlabs.TTS(
+                api_key="unused",
+                base_url=f"http://127.0.0.1:{app.http_port}/v1",
+                voice_id="default",
+                encoding="pcm_24000",
+                http_session=session,
+            )
+            stream = tts.stream()
+            stream.push_text(LONG)
+            stream.flush()
+            async with asyncio.timeout(30):
+                await anext(aiter(stream))  # its first audio: the turn is under way
+            await stream.aclose()
+            await tts.aclose()
+            await wait_until(lambda: app.active_streams == 0, timeout=GONE_WITHIN_S)
