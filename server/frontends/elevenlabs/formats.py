@@ -21,7 +21,9 @@ DEFAULT_OUTPUT_FORMAT: Final = "mp3_24000_48"
 #: A speed within the widest is clamped to ours; one outside it is refused.
 OUR_SPEED: Final = (0.5, 2.0)
 ELEVENLABS_SPEED: Final = (0.25, 4.0)
-_FORMAT: Final = re.compile(r"(pcm|ulaw|alaw|mp3|opus|wav)_(\d+)(?:_(\d+))?")
+#: ASCII digits, bounded (``\d`` alone takes other scripts' digits, and a 5000-digit rate
+#: would make ``int`` refuse it with a ``ValueError``).
+_FORMAT: Final = re.compile(r"(pcm|ulaw|alaw|mp3|opus|wav)_(\d{1,6})(?:_(\d{1,6}))?", re.ASCII)
 #: ElevenLabs codec → (our format, the rates we make for it, Content-Type).
 _CODECS: Final = {
     "pcm": ("pcm16", (8_000, 16_000, 24_000, 48_000), "audio/pcm"),
@@ -89,7 +91,7 @@ def output_format(name: str | None) -> OutputFormat:
         raise ElevenLabsError(
             400,
             "invalid_output_format",
-            f"output_format {name!r} is not made by this server (ChatTTS speaks at 24 kHz); "
+            f"output_format {name[:40]!r} is not made by this server (ChatTTS speaks at 24 kHz); "
             f"use one of {list(SUPPORTED)}",
         )
     ours, _, content_type = codec
