@@ -151,7 +151,8 @@ def _invalid(exc: msgspec.ValidationError) -> BadMessage:
     match = _PATH.search(text)
     path = match.group(1) if match else None
     if text.startswith(_OUT_OF_RANGE):
-        where = f" at `{path}`" if path else ""
+        # A path without a field name (``$[...][...]``, from a decode without a type) says nothing.
+        where = f" at `{path}`" if path and not path.startswith("$[") else ""
         return BadMessage(f"number out of range{where}: {NUMBER_RULE}", path=path)
     return BadMessage(f"invalid message: {text}", path=path, validation=text)
 
