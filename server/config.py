@@ -278,7 +278,8 @@ class Settings:
     invalid_messages_per_s: float = _opt(
         20.0,
         "invalid messages (refused as bad_request, unsupported, unknown_stream, ...) one WebSocket "
-        "connection may send per second (that many at once too); past it: close 1008 (0: unlimited)",
+        "connection (/v1/stream or ElevenLabs) may send per second (that many at once too); past it: "
+        "close 1008 (0: unlimited)",
     )
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from server.frontends.elevenlabs.alignment import rest_alignment, ws_alignment
-from server.frontends.elevenlabs.formats import ElevenLabsError, output_format, speed_of
+from server.frontends.elevenlabs.formats import ElevenLabsError, output_format, speed_of, voice_settings
+from server.frontends.messages import BadMessage
 from server.streams.items import Words, WordSpan
 
 
@@ -34,9 +35,30 @@ def test_output_formats_we_cannot_make_are_refused_with_the_list(name: str) -> N
 
 
 def test_only_speed_is_taken_from_voice_settings_and_it_is_clamped() -> None:
-    assert speed_of({"speed": 1.2, "stability": 0.3}) == 1.2
-    assert speed_of({"speed": 4.0}) == 2.0 and speed_of({"speed": 0.25}) == 0.5
-    assert speed_of(None) == 1.0 and speed_of({"speed": True}) == 1.0 and speed_of("fast") == 1.0
+    assert speed_of(voice_settings({"speed": 1.2, "stability": 0.3})) == 1.2
+    assert (
+        speed_of(voice_settings({"speed": 4.0})) == 2.0 and speed_of(voice_settings({"speed": 0.25})) == 0.5
+    )
+    assert speed_of(None) == 1.0 and speed_of(voice_settings({"stability": None, "extra": "x"})) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ("fast", "$.voice_settings"),
+        ([1], "$.voice_settings"),
+        ({"speed": True}, "$.voice_settings.speed"),
+        ({"speed": "1.0"}, "$.voice_settings.speed"),
+        ({"speed": 4.5}, "$.voice_settings.speed"),
+        ({"speed": 10**30}, "$.voice_settings.speed"),
+        ({"stability": 2}, "$.voice_settings.stability"),
+        ({"use_speaker_boost": 1}, "$.voice_settings.use_speaker_boost"),
+    ],
+)
+def test_voice_settings_of_the_wrong_shape_are_refused_naming_the_field(value: object, where: str) -> None:
+    with pytest.raises(BadMessage) as refused:
+        voice_settings(value)
+    assert refused.value.path == where and where in refused.value.message
 
 
 def test_a_segment_s_characters_tile_its_span_exactly() -> None:

@@ -7,16 +7,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
+
+import msgspec
 
 from server.frontends.common import OPENAI_VOICES
+from server.frontends.messages import convert
 
 #: What an absent ``output_format`` means here: MP3 at the model's rate (ElevenLabs' own
 #: default, ``mp3_44100_128``, needs a rate this server does not make).
 DEFAULT_OUTPUT_FORMAT: Final = "mp3_24000_48"
 #: ElevenLabs' speed range on the WebSocket is 0.7–1.2 and on REST 0.25–4; ours is 0.5–2.0.
+#: A speed within the widest is clamped to ours; one outside it is refused.
 OUR_SPEED: Final = (0.5, 2.0)
-_FORMAT: Final = re.compile(r"(pcm|ulaw|alaw|mp3|opus|wav)_(\d+)(?:_(\d+))?")
+ELEVENLABS_SPEED: Final = (0.25, 4.0)
+#: ASCII digits, bounded (``\d`` alone takes other scripts' digits, and a 5000-digit rate
+#: would make ``int`` refuse it with a ``ValueError``).
+_FORMAT: Final = re.compile(r"(pcm|ulaw|alaw|mp3|opus|wav)_(\d{1,6})(?:_(\d{1,6}))?", re.ASCII)
 #: ElevenLabs codec → (our format, the rates we make for it, Content-Type).
 _CODECS: Final = {
     "pcm": ("pcm16", (8_000, 16_000, 24_000, 48_000), "audio/pcm"),
@@ -84,7 +91,7 @@ def output_format(name: str | None) -> OutputFormat:
         raise ElevenLabsError(
             400,
             "invalid_output_format",
-            f"output_format {name!r} is not made by this server (ChatTTS speaks at 24 kHz); "
+            f"output_format {name[:40]!r} is not made by this server (ChatTTS speaks at 24 kHz); "
             f"use one of {list(SUPPORTED)}",
         )
     ours, _, content_type = codec
@@ -101,9 +108,35 @@ def unknown_voice(voice_id: str) -> ElevenLabsError:
     return ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found.")
 
 
-def speed_of(voice_settings: object) -> float:
-    """The speed in ``voice_settings`` (clamped to ours), 1.0 when absent; the other settings are ignored."""
-    speed = voice_settings.get("speed") if isinstance(voice_settings, dict) else None
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
+#: ElevenLabs' 0-to-1 settings.
+_Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class VoiceSettings(msgspec.Struct, forbid_unknown_fields=False, frozen=True):
+    """ElevenLabs' ``voice_settings``, each field checked: an object, numbers within their ranges.
+
+    ``speed`` is used (clamped to ours); ChatTTS has no control for the others, which are
+    checked and ignored; unknown fields are ignored too.
+    """
+
+    speed: Annotated[float, msgspec.Meta(ge=ELEVENLABS_SPEED[0], le=ELEVENLABS_SPEED[1])] | None = None
+    stability: _Unit | None = None
+    similarity_boost: _Unit | None = None
+    style: _Unit | None = None
+    use_speaker_boost: bool | None = None
+
+
+def voice_settings(value: object) -> VoiceSettings | None:
+    """An ElevenLabs WebSocket message's ``voice_settings`` (decoded without a type), checked.
+
+    Raises:
+        BadMessage: not an object, or a field of the wrong type or out of its range.
+    """
+    return None if value is None else convert(value, VoiceSettings, "voice_settings")
+
+
+def speed_of(settings: VoiceSettings | None) -> float:
+    """The speed in ``voice_settings`` clamped to ours, 1.0 when absent."""
+    if settings is None or settings.speed is None:
         return 1.0
-    return min(OUR_SPEED[1], max(OUR_SPEED[0], float(speed)))
+    return min(OUR_SPEED[1], max(OUR_SPEED[0], settings.speed))

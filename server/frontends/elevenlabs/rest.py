@@ -22,10 +22,12 @@ import msgspec
 from aiohttp import web
 
 from server.errors import ServiceError
+from server.frontends import messages
 from server.frontends.codes import code_of
 from server.frontends.common import Seed, SendAborted, send_within
 from server.frontends.elevenlabs.alignment import rest_alignment
-from server.frontends.elevenlabs.formats import ElevenLabsError, OutputFormat, speed_of
+from server.frontends.elevenlabs.formats import ElevenLabsError, OutputFormat, VoiceSettings, speed_of
+from server.frontends.messages import BadMessage
 from server.streams.items import Failure, Frame, OutItem, Words
 from server.streams.request import SpeechRequest
 from server.streams.stream import Lease, Stream
@@ -35,23 +37,26 @@ class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):
     """ElevenLabs' request body; its other fields (model_id, language_code, …) are accepted and ignored."""
 
     text: Annotated[str, msgspec.Meta(min_length=1)]
-    voice_settings: dict[str, Any] | None = None
+    voice_settings: VoiceSettings | None = None
     seed: Seed | None = None
 
 
 _decoder = msgspec.json.Decoder(SpeechBody)
 
 
-def parse_body(raw: bytes) -> SpeechBody:
-    """The body of a text-to-speech request.
+def parse_body(raw: bytes, *, max_depth: int) -> SpeechBody:
+    """The body of a text-to-speech request, through every front end's decoding path.
 
     Raises:
-        ElevenLabsError: not JSON, or ``text`` missing or of the wrong type (400).
+        ElevenLabsError: not JSON within the nesting and number bounds (``max_depth``:
+            ``--max-json-depth``), ``text`` missing or of the wrong type, or ``voice_settings``
+            not an object of numbers within their ranges (400).
     """
     try:
-        return _decoder.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ElevenLabsError(400, "invalid_request", f"invalid body: {exc}") from None
+        return messages.decode(raw, _decoder, max_depth=max_depth)
+    except BadMessage as bad:
+        detail = bad.message if bad.validation is None else f"invalid body: {bad.validation}"
+        raise ElevenLabsError(400, "invalid_request", detail) from None
 
 
 def speech_request(body: SpeechBody, voice: str, output: OutputFormat, seed: int | None) -> SpeechRequest:

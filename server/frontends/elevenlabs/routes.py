@@ -37,6 +37,7 @@ from server.frontends.elevenlabs.formats import (
 from server.frontends.elevenlabs.session import ElevenLabsSession, SocketOptions
 from server.frontends.elevenlabs.socket import ElevenLabsSocket
 from server.frontends.http.common import STATUS
+from server.frontends.messages import BadMessage, InvalidBudget, query_int
 from server.metrics import Metrics
 from server.streams.service import SpeechService
 from server.streams.stream import Lease
@@ -136,7 +137,7 @@ class ElevenLabsApi:
             except web.HTTPRequestEntityTooLarge:
                 max_bytes = self.settings.max_message_bytes
                 raise ElevenLabsError(413, "bad_request", f"request body over {max_bytes} bytes") from None
-            body = rest.parse_body(raw)
+            body = rest.parse_body(raw, max_depth=self.settings.max_json_depth)
             stream = self.service.open(
                 rest.speech_request(body, voice, output, self._seed),
                 lease,
@@ -193,6 +194,7 @@ class ElevenLabsApi:
                 seed=self._query_seed(request),
                 max_contexts=self.info.max_streams,
             )
+            inactivity = self._inactivity_s(request)
             if len(self.sockets) >= s.max_connections:
                 raise ElevenLabsError(503, "too_many_connections", "too many connections")
         except AccessDenied as denied:
@@ -208,12 +210,12 @@ class ElevenLabsApi:
                 ElevenLabsError(429, "too_many_connections", "too many connections"), self.metrics
             )
         try:
-            return await self._serve(request, options, client)
+            return await self._serve(request, options, client, inactivity)
         finally:
             limiter.close_connection(identity)
 
     async def _serve(
-        self, request: web.Request, options: SocketOptions, client: str | None
+        self, request: web.Request, options: SocketOptions, client: str | None, inactivity: float
     ) -> web.StreamResponse:
         s = self.settings
         ws = web.WebSocketResponse(max_msg_size=s.max_message_bytes, heartbeat=20.0, compress=False)
@@ -232,14 +234,15 @@ class ElevenLabsApi:
             admit_key=admit_key,
             abort=lambda reason: socket.abort(reason),
             count_error=lambda code: self.metrics.errors.labels(code=code).inc(),
+            invalid=InvalidBudget(s.invalid_messages_per_s),
         )
-        inactivity = self._inactivity_s(request)
         socket = ElevenLabsSocket(
             request,
             ws,
             session,
             send_timeout_s=s.send_timeout_s,
             inactivity_s=inactivity,
+            max_json_depth=s.max_json_depth,
             metrics=self.metrics,
         )
         self.sockets.add(socket)
@@ -261,20 +264,15 @@ class ElevenLabsApi:
         return self._admit(request)
 
     def _query_seed(self, request: web.Request) -> int | None:
-        text = request.query.get("seed")
-        if text is None:
-            return self._seed
-        if not text.isdigit() or int(text) > 2**63 - 1:
-            raise ElevenLabsError(
-                400, "bad_request", f"seed must be an integer from 0 to 2^63-1, not {text!r}"
-            )
-        return int(text)
+        seed = _query_int(request, "seed", 0, 2**63 - 1)
+        return self._seed if seed is None else seed
 
     @staticmethod
     def _inactivity_s(request: web.Request) -> float:
-        text = request.query.get("inactivity_timeout", "")
+        """ElevenLabs' ``inactivity_timeout``: an integer, brought within 1 to 180 s (its default 20)."""
         default, most = INACTIVITY_S
-        return float(min(most, max(1, int(text)))) if text.isdigit() else float(default)
+        seconds = _query_int(request, "inactivity_timeout", 1, most, clamp=True)
+        return float(default if seconds is None else seconds)
 
     # --- drain and stop -------------------------------------------------------------------
 
@@ -288,3 +286,15 @@ class ElevenLabsApi:
         for socket in list(self.sockets):
             with contextlib.suppress(ConnectionError):
                 await socket.shut_down()
+
+
+def _query_int(request: web.Request, name: str, low: int, high: int, *, clamp: bool = False) -> int | None:
+    """An integer query parameter (the shared rule: ASCII digits, bounded), refused as ElevenLabs does.
+
+    Raises:
+        ElevenLabsError: 400 ``bad_request`` naming the parameter and its range.
+    """
+    try:
+        return query_int(request.query, name, low, high, clamp=clamp)
+    except BadMessage as bad:
+        raise ElevenLabsError(400, "bad_request", bad.message) from None

@@ -34,7 +34,8 @@ from server.errors import InvalidRequest, ServiceError
 from server.frontends.access import tenant_of
 from server.frontends.codes import code_of
 from server.frontends.elevenlabs.alignment import ws_alignment
-from server.frontends.elevenlabs.formats import OutputFormat, speed_of
+from server.frontends.elevenlabs.formats import OutputFormat, VoiceSettings, speed_of, voice_settings
+from server.frontends.messages import INVALID_CLOSE_CODE, INVALID_CLOSE_REASON, BadMessage, InvalidBudget
 from server.streams.items import Done, Failure, Frame, OutItem, Words
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
@@ -107,6 +108,7 @@ class ElevenLabsSession:
         admit_key: checks a key from the first message; returns the client's identity.
         abort: drops the connection at once (its reader fell too far behind).
         count_error: counts an error sent, by code.
+        invalid: the connection's ``--invalid-messages-per-s``: past it, close 1008 (as ``/v1/stream``).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class ElevenLabsSession:
         admit_key: Callable[[str | None], str],
         abort: Callable[[str], None],
         count_error: Callable[[str], None],
+        invalid: InvalidBudget,
     ) -> None:
         self._service = service
         self._options = options
@@ -125,6 +128,7 @@ class ElevenLabsSession:
         self._admit_key = admit_key
         self._abort = abort
         self._count_error = count_error
+        self._invalid = invalid
         self.contexts: dict[str, Context] = {}
         self._closing = False  # close_socket, or stream-input's one context has ended
 
@@ -149,6 +153,8 @@ class ElevenLabsSession:
             return self._on_context(context_id, message)
         except ServiceError as exc:
             return self._error(code_of(exc), exc.message, context_id, final=context_id not in self.contexts)
+        except BadMessage as bad:  # voice_settings of the wrong shape
+            return self._error("bad_request", bad.message, context_id, final=context_id not in self.contexts)
 
     def bad_message(self, problem: str) -> list[Action]:
         """A frame that is no JSON object."""
@@ -168,13 +174,14 @@ class ElevenLabsSession:
         text = message.get("text")
         if text is not None and not isinstance(text, str):
             raise InvalidRequest("text must be a string")
+        settings = voice_settings(message.get("voice_settings"))  # checked on every message
         context = self.contexts.get(context_id)
         actions: list[Action] = []
         closing = message.get("close_context") is True
         if context is None:
             if closing or (not text and message.get("flush") is not True):
                 return []  # a keep-alive, or closing a context that is gone: nothing to do
-            context, opened = self._open(context_id, message)
+            context, opened = self._open(context_id, settings)
             actions += opened
         feed = context.stream.text
         assert feed is not None
@@ -192,7 +199,7 @@ class ElevenLabsSession:
             self._close_context(context)
         return actions
 
-    def _open(self, context_id: str, message: dict[str, Any]) -> tuple[Context, list[Action]]:
+    def _open(self, context_id: str, settings: VoiceSettings | None) -> tuple[Context, list[Action]]:
         if len(self.contexts) >= self._options.max_contexts:
             raise InvalidRequest(f"at most {self._options.max_contexts} context(s) per connection")
         assert self._client is not None
@@ -201,7 +208,7 @@ class ElevenLabsSession:
             name=context_id or "elevenlabs",
             text="",
             voice=options.voice,
-            speed=speed_of(message.get("voice_settings")),
+            speed=speed_of(settings),
             format=options.output.format,
             sample_rate=options.output.sample_rate,
             seed=options.seed,
@@ -240,6 +247,9 @@ class ElevenLabsSession:
         actions: list[Action] = [Send(body)]
         if final and context_id is not None:  # a context refused at its start ends here
             actions.append(Send(self._final(context_id)))
+        if self._invalid.spend(code):  # the message's fault, past --invalid-messages-per-s
+            self._count_error("too_many_invalid")
+            actions.append(Close(INVALID_CLOSE_CODE, INVALID_CLOSE_REASON))
         return actions
 
     # --- sending ----------------------------------------------------------------------------

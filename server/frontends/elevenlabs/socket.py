@@ -15,17 +15,23 @@ import asyncio
 import contextlib
 import logging
 from contextlib import aclosing
+from typing import Final
 
 import msgspec
 from aiohttp import WSMsgType, web
 
+from server.frontends import messages
 from server.frontends.common import SendAborted, abort_transport, send_within
 from server.frontends.elevenlabs.session import Action, Close, Deliver, ElevenLabsSession, Send
+from server.frontends.lifecycle import end_connection
+from server.frontends.messages import BadMessage
 from server.metrics import Metrics
 from server.streams.stream import Lease, Stream
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
+#: Messages are decoded without a type: the session reads their fields (``voice_settings`` typed).
+_decoder: Final = msgspec.json.Decoder()
 
 
 class ElevenLabsSocket:
@@ -39,6 +45,7 @@ class ElevenLabsSocket:
         *,
         send_timeout_s: float,
         inactivity_s: float,
+        max_json_depth: int,
         metrics: Metrics,
     ) -> None:
         self._request = request
@@ -46,6 +53,7 @@ class ElevenLabsSocket:
         self.session = session
         self._send_timeout_s = send_timeout_s
         self._inactivity_s = inactivity_s
+        self._max_json_depth = max_json_depth
         self._metrics = metrics
         self._lock = asyncio.Lock()  # one message at a time on the socket
         self._pumps: dict[str, asyncio.Task[None]] = {}
@@ -73,21 +81,21 @@ class ElevenLabsSocket:
         except (ConnectionError, SendAborted):
             pass
         finally:
+            # First, before any await: aiohttp cancels this handler when its client goes.
+            self._closed = True
             pumps = list(self._pumps.values())
             self._pumps.clear()
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            self.session.connection_lost()
+            await end_connection(self.session.connection_lost, pumps)
             if not self._ws.closed:
                 with contextlib.suppress(ConnectionError):
                     await self._ws.close()
 
     def _parse(self, data: str) -> list[Action]:
+        """One text message through every front end's decoding path (nesting, numbers), then the session."""
         try:
-            message = msgspec.json.decode(data)
-        except msgspec.DecodeError as exc:
-            return self.session.bad_message(f"malformed JSON: {exc}")
+            message = messages.decode(data, _decoder, max_depth=self._max_json_depth)
+        except BadMessage as bad:
+            return self.session.bad_message(bad.message)
         return self.session.receive(message)
 
     def abort(self, reason: str) -> None:

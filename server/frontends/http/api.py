@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler
 
 from server.config import Settings
 from server.errors import ServiceError
+from server.frontends import messages
 from server.frontends.access import AccessDenied, AccessGate, tenant_of
 from server.frontends.codes import code_of
 from server.frontends.common import (
@@ -54,7 +55,7 @@ from server.frontends.http.common import (
 )
 from server.frontends.http.cors import Cors
 from server.frontends.http.voices import VoicesApi
-from server.frontends.nesting import TooDeep, check_nesting
+from server.frontends.messages import BadMessage
 from server.frontends.ports import GuardedProtocol, PortGuard
 from server.metrics import Metrics
 from server.streams.items import Failure, Frame
@@ -358,14 +359,11 @@ def _parse(raw: bytes, max_depth: int) -> tuple[SpeechBody, str]:
         BodyError: naming the problem, and the field when there is one.
     """
     try:
-        check_nesting(raw, max_depth)
-        body = _decoder.decode(raw)
-    except TooDeep as exc:
-        raise BodyError("bad_request", str(exc)) from None
-    except msgspec.ValidationError as exc:
-        raise BodyError("bad_request", f"invalid body: {exc}", _param_of(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise BodyError("bad_request", f"malformed JSON: {exc}") from None
+        body = messages.decode(raw, _decoder, max_depth=max_depth)
+    except BadMessage as bad:
+        if bad.validation is None:  # malformed, too deep, or a number out of range
+            raise BodyError("bad_request", bad.message, bad.field) from None
+        raise BodyError("bad_request", f"invalid body: {bad.validation}", _param_of(bad.validation)) from None
     fmt = body.response_format
     if fmt not in FORMATS:
         message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"

@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
+from server.frontends.messages import INVALID_CLOSE_CODE, INVALID_CLOSE_REASON
 from server.frontends.websocket.handoff import Remote
 from server.streams.stream import Lease, Stream
 
@@ -76,11 +76,5 @@ class StopForward:
 
 Action = Send | StartPump | StopPump | Close | Forward | Relay | StopForward
 DRAIN_CLOSE = Close(1012, "server is restarting")
-#: Past ``--invalid-messages-per-s`` a connection is closed with the policy code.
-INVALID_CLOSE = Close(1008, "too many invalid messages")
-#: Refusals that are the message's fault, counted against ``--invalid-messages-per-s``; the
-#: others (``overloaded``, ``resume_expired``, ``shutting_down``, ``internal``) are the server's.
-INVALID_CODES: Final = frozenset(
-    {"bad_request", "text_too_long", "unsupported", "duplicate_id", "too_many_streams", "unknown_stream"}
-    | {"rate_limited"}  # a client that ignores retry_after_ms
-)
+#: Past ``--invalid-messages-per-s`` a connection is closed with the policy code (every front end's).
+INVALID_CLOSE = Close(INVALID_CLOSE_CODE, INVALID_CLOSE_REASON)

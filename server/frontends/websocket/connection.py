@@ -20,6 +20,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from server.frontends.common import SendAborted, ServerInfo, abort_transport, send_within
+from server.frontends.lifecycle import end_connection
 from server.frontends.websocket.actions import (
     Action,
     Attachment,
@@ -81,11 +82,9 @@ class Connection:
         except (ConnectionClosed, SendAborted):
             pass
         finally:
+            # The streams are detached before any await, so no cancellation can skip it.
             tasks = [*self._pumps.values(), *(task for _, task in self._forwards.values())]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self.protocol.connection_lost()
+            await end_connection(self.protocol.connection_lost, tasks)
 
     def abort(self, reason: str) -> None:
         """Drop the TCP connection at once (no close handshake: the peer is not reading)."""

@@ -25,11 +25,11 @@ import msgspec
 from server.errors import ServiceError, UnknownStream
 from server.frontends.access import tenant_of
 from server.frontends.common import ServerInfo
+from server.frontends.messages import InvalidBudget
 from server.frontends.websocket import wire
 from server.frontends.websocket.actions import (
     DRAIN_CLOSE,
     INVALID_CLOSE,
-    INVALID_CODES,
     Action,
     Attachment,
     Close,
@@ -54,7 +54,6 @@ from server.frontends.websocket.wire import (
 from server.metrics import Metrics
 from server.streams.failover import ResumePoint
 from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark, Words
-from server.streams.limits import TokenBucket
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream, redact
 
@@ -107,9 +106,8 @@ class ConnectionProtocol:
         self._remote: dict[str, Remote] = {}  # streams relayed from their owner, by token
         #: Ids whose ``done`` went out last: a ``cancel`` racing that ``done`` is not an error.
         self._ended: deque[str] = deque(maxlen=max(1, info.max_streams))
-        rate = service.settings.invalid_messages_per_s
-        #: Invalid messages this connection may still send (refilled at ``rate`` per second).
-        self._invalid = TokenBucket(rate, rate, rate, clock()) if rate > 0 else None
+        #: Invalid messages this connection may still send (``--invalid-messages-per-s``).
+        self._invalid = InvalidBudget(service.settings.invalid_messages_per_s, clock)
 
     def hello(self) -> str:
         """The first message."""
@@ -133,14 +131,10 @@ class ConnectionProtocol:
             actions: list[Action] = [Send(wire.error(err))]
             if err.code == "shutting_down":
                 actions += self.close_if_idle()
-            elif err.code in INVALID_CODES and self._too_many_invalid():
+            elif self._invalid.spend(err.code):
                 self._metrics.errors.labels(code="too_many_invalid").inc()
                 actions.append(INVALID_CLOSE)
             return actions
-
-    def _too_many_invalid(self) -> bool:
-        """Count one invalid message; True once past ``--invalid-messages-per-s``."""
-        return self._invalid is not None and self._invalid.take(self._clock()) > 0
 
     def _dispatch(self, message: ClientMessage) -> list[Action]:
         if isinstance(message, Start):

@@ -18,9 +18,10 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from server import errors
+from server.frontends import messages
 from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
-from server.frontends.nesting import TooDeep, check_nesting
+from server.frontends.messages import BadMessage
 from server.streams.items import Done, Frame, SegmentMark, Words
 from server.streams.request import SpeechRequest
 
@@ -152,18 +153,14 @@ def parse_client_message(raw: str | bytes, *, max_depth: int = 32) -> ClientMess
     if isinstance(raw, bytes):
         raise ProtocolError("bad_request", "binary frames are not accepted from clients; send JSON text")
     try:
-        check_nesting(raw, max_depth)
-        return _decoder.decode(raw)
-    except TooDeep as exc:
-        raise ProtocolError("bad_request", str(exc)) from None
-    except msgspec.ValidationError as exc:
-        raise ProtocolError("bad_request", _describe(exc), name=_name_of(raw)) from None
-    except msgspec.DecodeError as exc:
-        raise ProtocolError("bad_request", f"malformed JSON: {exc}") from None
+        return messages.decode(raw, _decoder, max_depth=max_depth)
+    except BadMessage as bad:
+        if bad.validation is None:  # malformed, too deep, or a number out of range
+            raise ProtocolError("bad_request", bad.message, name=_name_of(raw, bad)) from None
+        raise ProtocolError("bad_request", _describe(bad.validation), name=_name_of(raw, bad)) from None
 
 
-def _describe(exc: msgspec.ValidationError) -> str:
-    text = str(exc)
+def _describe(text: str) -> str:
     if "`$.type`" in text or "Object missing required field `type`" in text:
         return f"unknown or missing message type ({text}); expected one of {sorted(_TYPES)}"
     return f"invalid message: {text}"
@@ -172,8 +169,10 @@ def _describe(exc: msgspec.ValidationError) -> str:
 _TYPES: Final = ("start", "cancel", "append", "flush", "end", "resume")
 
 
-def _name_of(raw: str) -> str | None:
+def _name_of(raw: str, bad: BadMessage) -> str | None:
     """Best-effort ``id`` of an invalid message, so the error can name the stream."""
+    if bad.validation is None and bad.path is None:
+        return None  # not JSON within the bounds: not decoded a second time
     try:
         value = _probe.decode(raw).get("id")
     except (msgspec.DecodeError, msgspec.ValidationError):

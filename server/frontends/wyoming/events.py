@@ -2,7 +2,8 @@
 
 A Wyoming event is a JSON header line, then ``data_length`` bytes of JSON data and
 ``payload_length`` bytes of payload. This is the Wyoming front end's one JSON decoding path:
-each JSON part is checked for nesting (``--max-json-depth``) and decoded by msgspec, which
+each JSON part is decoded by the shared path (:func:`server.frontends.messages.decode`: the
+nesting and number bounds, then msgspec), which
 takes strict JSON only (no ``NaN``/``Infinity``) and integers as integers, so a length of
 ``1e400``, ``-Infinity``, ``"5"``, ``1.5`` or ``true`` is a :class:`BadEvent`, never an
 ``OverflowError``. :func:`encode_event` serializes an event for a socket the server writes to
@@ -18,7 +19,8 @@ from typing import Annotated, Any, Final
 import msgspec
 from wyoming.event import Event, write_event
 
-from server.frontends.nesting import TooDeep, check_nesting
+from server.frontends import messages
+from server.frontends.messages import BadMessage
 
 Length = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -42,12 +44,9 @@ class BadEvent(Exception):
 
 def _decode(decoder: msgspec.json.Decoder[Any], raw: bytes, what: str, max_depth: int) -> Any:
     try:
-        check_nesting(raw, max_depth)
-        return decoder.decode(raw)
-    except TooDeep as exc:
-        raise BadEvent(f"{what}: {exc}") from None
-    except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
-        raise BadEvent(f"{what}: {exc}") from None
+        return messages.decode(raw, decoder, max_depth=max_depth)
+    except BadMessage as bad:
+        raise BadEvent(f"{what}: {bad.message}") from None
 
 
 async def read_event(

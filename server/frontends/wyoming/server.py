@@ -24,6 +24,7 @@ from wyoming.event import Event, async_write_event
 from server.config import Settings
 from server.frontends.access import client_identity
 from server.frontends.common import SendAborted, abort_transport, send_within
+from server.frontends.lifecycle import end_connection
 from server.frontends.ports import GuardedProtocol, PortGuard, peer_ip
 from server.frontends.wyoming.events import BadEvent, encode_event, read_event
 from server.frontends.wyoming.session import (
@@ -113,10 +114,14 @@ class WyomingConnection:
             pass
         finally:
             pump, self._pump = self._pump, None
-            if pump is not None:
-                pump.cancel()
-                await asyncio.gather(pump, return_exceptions=True)
+            await end_connection(self._lost, [] if pump is None else [pump])
+
+    def _lost(self) -> None:
+        """The connection ends: free its stream, close the socket (runs before any await)."""
+        self._closed = True
+        try:
             self.session.connection_lost()
+        finally:
             self._writer.close()
 
     async def _next_event(self) -> Event | None:
