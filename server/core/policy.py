@@ -48,7 +48,7 @@ from typing import assert_never
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
 from server.core.fairqueue import FairQueue, Waiting
 from server.core.plan import StreamPlan
-from server.engine_api import SequenceRequest, StepResult, SynthesisParams
+from server.engine_api import SequenceRequest, StepResult, SynthesisParams, segment_token_cap
 
 BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
 FAILED_MESSAGE = "the model failed while generating this stream"
@@ -328,12 +328,14 @@ class SchedulingPolicy:
             entry = self._waiting.pop()
             plan = entry.plan
             seq_id = next(self._seq_ids)
+            text = plan.segments[entry.segment]
             added.append(
                 SequenceRequest(
                     seq_id=seq_id,
-                    text=plan.segments[entry.segment],
+                    text=text,
                     params=plan.params,
-                    max_tokens=self.config.max_tokens_per_segment,
+                    # In proportion to the text: a short segment cannot buy a long babble.
+                    max_tokens=segment_token_cap(text, self.config.max_tokens_per_segment),
                     seed_offset=plan.first_segment + entry.segment,
                 )
             )

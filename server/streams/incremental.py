@@ -6,6 +6,13 @@ stream's :class:`~server.core.client.Generation` at once, and speaks an
 incomplete clause when no text has arrived for ``max_buffer_delay_ms`` (the
 stall timer restarts on every ``append``). All of it runs on the event loop;
 the timer is owned and cancelled here.
+
+A ``flush`` speaks at once only text that ends a sentence or holds a clause's worth of speech
+(:meth:`~server.text.segments.TextBuffer.flush_ready`); a shorter fragment is *held*: it merges
+with the text that follows until that is enough, and is spoken at the latest
+``max_buffer_delay_ms`` after the flush (a deadline later appends do not push back). So a storm
+of ``append "a"``, ``flush`` pairs (or ElevenLabs ``auto_mode`` messages) makes segments of a
+sensible size instead of one engine sequence per message.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class TextFeed:
         #: ``append``/``flush``/``end`` messages read for this stream, taken or refused: a
         #: resumed client re-sends the ones after this count (lost with its old connection).
         self.received = 0
+        #: A ``flush`` holds its text until it is enough to speak or its deadline passes.
+        self.flush_held = False
         self._timer: asyncio.TimerHandle | None = None
         self._arm()
 
@@ -64,23 +73,31 @@ class TextFeed:
             )
         self.total_chars += len(text)
         self._submit(self.buffer.append(text))
-        self._arm()
+        if not self.flush_held:
+            self._arm()
+        elif not self.buffer.pending.strip():
+            self._release_held()  # the held text went out with a complete sentence
+        elif not self._tag_open() and self.buffer.flush_ready():
+            self._release_held()  # the held text and what followed it are now enough
 
     def flush(self) -> None:
-        """Speak what is buffered now (refused while a control tag is still open)."""
+        """Speak what is buffered: now if it is a sentence or a clause, else soon (refused while a tag is open)."""
         self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
-        self._submit(self.buffer.take_all())
-        self._disarm()
+        if self.buffer.flush_ready():
+            self._release_held()
+        elif not self.flush_held and self.buffer.pending.strip():
+            # Held: the stall timer now runs to the flush's deadline, not restarted by appends.
+            self.flush_held = True
+            self._arm()
 
     def end(self) -> None:
         """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
         self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
-        self._submit(self.buffer.take_all())
-        self._disarm()
+        self._release_held()
         self.ended = True
         self.generation.end_input()
 
@@ -100,6 +117,16 @@ class TextFeed:
         if problem is not None:
             raise InvalidRequest(problem)
 
+    def _tag_open(self) -> bool:
+        """A control tag at the end of the buffer still waits for its closing bracket."""
+        return tags.open_tail(self.buffer.pending) < len(self.buffer.pending)
+
+    def _release_held(self) -> None:
+        """Speak everything buffered now; no flush is held any more."""
+        self.flush_held = False
+        self._disarm()
+        self._submit(self.buffer.take_all())
+
     def _submit(self, segments: list[str]) -> None:
         for segment in segments:
             self.generation.append(segment)
@@ -117,9 +144,13 @@ class TextFeed:
 
     def _stalled(self) -> None:
         self._timer = None
-        if not self.ended:
-            self._submit(self.buffer.take_clause())
-            self._arm()
+        if self.ended:
+            return
+        if self.flush_held and not self._tag_open():
+            self._release_held()  # the held flush's deadline
+            return
+        self._submit(self.buffer.take_clause())
+        self._arm()
 
 
 def open_feed(

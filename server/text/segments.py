@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from server.engine_api import TOKENS_PER_LETTER, speech_tokens
 from server.text import tags
 
 #: Characters that end a sentence whatever follows (CJK and unambiguous Latin).
@@ -25,6 +26,14 @@ _SPACES: Final = re.compile(r"[ \t\r\f\v]+")
 
 DEFAULT_MAX_SEGMENT_CHARS: Final = 120
 DEFAULT_MIN_SEGMENT_CHARS: Final = 4
+#: A ``flush`` speaks at once when its text holds at least this much speech (16 Latin letters,
+#: 8 CJK characters or 2 digits: a clause) or ends a sentence; shorter text waits to merge with
+#: what follows. Every segment costs a prefill and :data:`server.engine_api.SEGMENT_BASE_TOKENS`
+#: of allowance, so a clause-sized minimum keeps a storm of tiny flushes within 1.25x the work
+#: of its text sent at once.
+FLUSH_MIN_SPEECH_TOKENS: Final = 16 * TOKENS_PER_LETTER
+#: Text that ends a sentence (or a line), closers and blanks after it allowed.
+_ENDS_SENTENCE: Final = re.compile(rf"(?:[{re.escape(_HARD_END)}]|\.|\n)[{re.escape(_CLOSERS)}]*\s*$")
 
 
 def clean(text: str) -> str:
@@ -183,6 +192,15 @@ class TextBuffer:
         head, self._pending = self._pending[:cut], self._pending[cut:]
         head = clean(head)
         return speakable_segments([head], max_chars=self.max_chars) if head else []
+
+    def flush_ready(self) -> bool:
+        """Whether a ``flush`` should speak the pending text now rather than merge it with more.
+
+        It should when the text ends a sentence (a sentence's latency is kept) or holds a clause's
+        worth of speech (:data:`FLUSH_MIN_SPEECH_TOKENS`); a fragment ("a", "the") waits.
+        """
+        text = self._pending
+        return bool(_ENDS_SENTENCE.search(text)) or speech_tokens(text) >= FLUSH_MIN_SPEECH_TOKENS
 
     def take_all(self) -> list[str]:
         """Release everything buffered (``flush``, ``end``)."""
