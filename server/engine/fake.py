@@ -136,6 +136,8 @@ class FakeEngine:
         #: Every step and every add/drop, bounded; tests read it.
         self.steps: deque[StepRecord] = deque(maxlen=log_limit)
         self.events: deque[tuple[str, int]] = deque(maxlen=log_limit)
+        #: Every sequence added, as asked (its ``max_tokens`` is the work it may cost), bounded.
+        self.added: deque[SequenceRequest] = deque(maxlen=log_limit)
         self._sequences: dict[int, _Sequence] = {}
         self._step_index = 0
         self._info = EngineInfo(
@@ -179,6 +181,7 @@ class FakeEngine:
         total = len(audio) // SAMPLES_PER_TOKEN
         self._sequences[request.seq_id] = _Sequence(request, audio, total)
         self.events.append(("add", request.seq_id))
+        self.added.append(request)
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence."""
@@ -234,6 +237,7 @@ class FakeEngine:
             self.step([-1])
         self.steps.clear()
         self.events.clear()
+        self.added.clear()
         self._step_index = 0
 
     def close(self) -> None:

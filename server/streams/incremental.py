@@ -81,7 +81,7 @@ class TextFeed:
             self._release_held()  # the held text and what followed it are now enough
 
     def flush(self) -> None:
-        """Speak what is buffered: now if it is a sentence or a clause, else soon (refused while a tag is open)."""
+        """Speak what is buffered: now if a sentence or a clause, else soon (refused while a tag is open)."""
         self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
