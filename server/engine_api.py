@@ -192,6 +192,9 @@ class EngineInfo:
     #: Identity of what :meth:`Engine.encode_voice` makes codes with (voices made under another
     #: identity are not used); ``None``: the engine cannot make voices from recordings.
     voice_encoder: str | None = None
+    #: The most tokens a segment's text may be for the model (:meth:`Engine.text_tokens`): its
+    #: prompt then fits what the KV slots and the warm-up were sized for. ``None``: no limit.
+    max_text_tokens: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -209,6 +212,14 @@ class Engine(Protocol):
 
     def validate_voice(self, voice: str) -> bool:
         """Whether ``voice`` names a voice this engine can speak."""
+        ...
+
+    def text_tokens(self, text: str) -> int:
+        """Tokens ``text`` is for the model after the engine's text pipeline (numbers spelled out).
+
+        Called from the event loop while the inference thread steps: an engine answers it
+        without touching state the inference thread uses (``info.max_text_tokens`` is its limit).
+        """
         ...
 
     def add(self, request: SequenceRequest) -> None:

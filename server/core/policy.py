@@ -326,15 +326,13 @@ class SchedulingPolicy:
         waited: list[float] = []
         while self._waiting and len(self._running) < self.batch_limit:
             entry = self._waiting.pop()
-            plan = entry.plan
-            seq_id = next(self._seq_ids)
-            text = plan.segments[entry.segment]
+            plan, seq_id = entry.plan, next(self._seq_ids)
+            text = plan.segments[entry.segment]  # its tokens in proportion: no long babble for a short text
             added.append(
                 SequenceRequest(
                     seq_id=seq_id,
                     text=text,
                     params=plan.params,
-                    # In proportion to the text: a short segment cannot buy a long babble.
                     max_tokens=segment_token_cap(text, self.config.max_tokens_per_segment),
                     seed_offset=plan.first_segment + entry.segment,
                 )

@@ -126,6 +126,7 @@ class FakeEngine:
         log_limit: int = 100_000,
         refine: bool = True,
         voices: bool = True,
+        max_text_tokens: int | None = None,
     ) -> None:
         self.step_base_s = step_base_s
         self.step_per_row_s = step_per_row_s
@@ -146,6 +147,7 @@ class FakeEngine:
             samples_per_token=SAMPLES_PER_TOKEN,
             refine=refine,
             voice_encoder=FAKE_VOICE_ENCODER if voices else None,
+            max_text_tokens=max_text_tokens,
         )
 
     @property
@@ -164,6 +166,10 @@ class FakeEngine:
             return True
         prefix, _, number = voice.partition(":")
         return prefix == "seed" and number.lstrip("-").isdigit()
+
+    def text_tokens(self, text: str) -> int:
+        """One token a character of the stripped text (a real engine spells numbers out first)."""
+        return len(text.strip())
 
     def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
         """Fake codes: 4 rows of one code per 512 samples, a function of the audio (ChatTTS: ~47 a second)."""

@@ -13,6 +13,10 @@ with the text that follows until that is enough, and is spoken at the latest
 ``max_buffer_delay_ms`` after the flush (a deadline later appends do not push back). So a storm
 of ``append "a"``, ``flush`` pairs (or ElevenLabs ``auto_mode`` messages) makes segments of a
 sensible size instead of one engine sequence per message.
+
+Every segment is held to the engine's prompt budget (:class:`~server.streams.checks.PromptBudget`)
+when its text arrives: an ``append`` whose unbreakable run (a long number) is over it is refused,
+and a segment over it is cut at clause ends or spaces, so none fails inside the engine mid-stream.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from collections.abc import Callable
 
 from server.core.generation import Generation
 from server.errors import InvalidRequest, TextTooLong
+from server.streams.checks import PromptBudget
 from server.text import tags
-from server.text.segments import TextBuffer
+from server.text.segments import TextBuffer, last_run_start
 
 
 class TextFeed:
@@ -38,10 +43,12 @@ class TextFeed:
         max_total_chars: int,
         max_pending_chars: int,
         delay_s: float,
+        budget: PromptBudget | None = None,
     ) -> None:
         #: The stream's generation, which each complete segment goes to.
         self.generation = generation
         self.buffer = buffer
+        self.budget = budget
         self.total_chars = total_chars
         self.max_total_chars = max_total_chars
         self.max_pending_chars = max_pending_chars
@@ -71,6 +78,9 @@ class TextFeed:
             raise TextTooLong(
                 f"more than {self.max_pending_chars} characters wait for a sentence end; send `flush`"
             )
+        if self.budget is not None:  # the run the text continues, and the text's own runs
+            pending = self.buffer.pending
+            self.budget.check_runs(pending[last_run_start(pending) :] + text)
         self.total_chars += len(text)
         self._submit(self.buffer.append(text))
         if not self.flush_held:
@@ -128,6 +138,8 @@ class TextFeed:
         self._submit(self.buffer.take_all())
 
     def _submit(self, segments: list[str]) -> None:
+        if self.budget is not None:  # runs were checked as they came: cutting at spaces suffices
+            segments = self.budget.fit(segments, hard=True)
         for segment in segments:
             self.generation.append(segment)
 
@@ -161,10 +173,19 @@ def open_feed(
     max_total_chars: int,
     max_pending_chars: int,
     delay_s: float,
+    budget: PromptBudget | None = None,
 ) -> TextFeed:
-    """An incremental stream's text side: ``text``'s complete segments go to ``generate`` now."""
+    """An incremental stream's text side: ``text``'s complete segments go to ``generate`` now.
+
+    Raises:
+        InvalidRequest: a run of ``text`` that cannot be cut is over ``budget``.
+    """
     buffer = TextBuffer(max_chars=segment_max_chars)
-    generation = generate(tuple(buffer.append(text)))
+    first = buffer.append(text)
+    if budget is not None:
+        budget.check_runs(text)
+        first = budget.fit(first)
+    generation = generate(tuple(first))
     return TextFeed(
         generation,
         buffer,
@@ -172,4 +193,5 @@ def open_feed(
         max_total_chars=max_total_chars,
         max_pending_chars=max_pending_chars,
         delay_s=delay_s,
+        budget=budget,
     )

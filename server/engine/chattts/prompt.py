@@ -15,6 +15,7 @@ Only ``server/engine/chattts*.py`` import torch; this is one of them.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from collections import OrderedDict
@@ -78,6 +79,9 @@ class PromptBuilder:
     ) -> None:
         self._chat, self.text, self.voices, self.limits, self.device = chat, text, voices, limits, device
         self._transcripts: OrderedDict[str, str] = OrderedDict()
+        # The event loop counts segments' tokens while the inference thread encodes prompts, and
+        # ChatTTS's encode sets padding on its Rust tokenizer each call: the counter is a copy.
+        self._counter = copy.deepcopy(chat.tokenizer._tokenizer)
 
     def code_prompt(self, model_text: str, params: SynthesisParams) -> CodePrompt:
         """The prompt for ``model_text`` (already through the pipeline, or refined) in ``params``' voice.
@@ -107,6 +111,11 @@ class PromptBuilder:
     def tokens(self, model_text: str) -> int:
         """Tokens of ``model_text`` alone (no prompt around it)."""
         ids = self._chat.tokenizer._tokenizer(model_text, add_special_tokens=False)["input_ids"]
+        return len(ids)
+
+    def segment_tokens(self, segment: str) -> int:
+        """Tokens of ``segment`` after the text pipeline; any thread (its own tokenizer, a pure pipeline)."""
+        ids = self._counter(self.text.model_text(segment), add_special_tokens=False)["input_ids"]
         return len(ids)
 
     def prompt_tokens(self, model_text: str) -> int:
