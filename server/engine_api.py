@@ -218,7 +218,9 @@ class Engine(Protocol):
         """Tokens ``text`` is for the model after the engine's text pipeline (numbers spelled out).
 
         Called from the event loop while the inference thread steps: an engine answers it
-        without touching state the inference thread uses (``info.max_text_tokens`` is its limit).
+        without touching state the inference thread uses. Exact above ``info.max_text_tokens``
+        (the limit it is held to); at or below it an engine may answer a cheaper bound above the
+        exact count that is itself within the limit (all a caller needs to know is that it fits).
         """
         ...
 
