@@ -15,7 +15,7 @@ import aiohttp
 from server.app import App
 from server.engine_api import SEGMENT_BASE_TOKENS, TOKENS_PER_LETTER
 from tests.integration.conftest import fake_engine
-from tests.wsclient import collect, open_client, start
+from tests.wsclient import collect, open_client, recv_json, start
 
 #: The storm: this many (append "a ", flush) pairs.
 STORM = 200
@@ -119,3 +119,22 @@ async def test_an_elevenlabs_auto_mode_storm_merges_too(make_app: Any) -> None:
     segments, tokens = asked_tokens(app, before)
     assert segments <= STORM // 16 + 1, segments
     assert tokens <= MERGED_FACTOR * once_tokens, (tokens, once_tokens)
+
+
+async def test_a_flushed_sentence_is_spoken_at_once_and_a_fragment_waits_for_more(make_app: Any) -> None:
+    app = await warmed(make_app)
+    ws, _ = await open_client(app.port)
+    await start(ws, id="y", incremental=True, seed=1, max_buffer_delay_ms=60_000, text="Yes.")
+    started = await recv_json(ws)
+    assert started["type"] == "started"
+    await ws.send(json.dumps({"type": "flush", "id": "y"}))  # a sentence: its latency is kept
+    segment = await recv_json(ws)
+    assert (segment["type"], segment["text"]) == ("segment", "Yes."), segment
+    for word in ("And ", "then ", "some ", "more ", "words."):  # fragments: held, then one segment
+        await ws.send(json.dumps({"type": "append", "id": "y", "text": word}))
+        await ws.send(json.dumps({"type": "flush", "id": "y"}))
+    await ws.send(json.dumps({"type": "end", "id": "y"}))
+    log = (await collect(ws, {"y"}, {started["slot"]: "y"}))["y"]
+    await ws.close()
+    assert log.done is not None and log.done["reason"] == "complete"
+    assert [s["text"] for s in log.segments] == ["And then some more words."]
