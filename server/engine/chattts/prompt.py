@@ -47,7 +47,8 @@ class PromptLimits:
     """What the longest prompt may hold.
 
     Attributes:
-        segment_chars: the longest segment (``--segment-max-chars``), counted as one token a character.
+        segment_chars: the longest segment (``--segment-max-chars``), as that many tokens: the stream
+            layer holds every segment to it (or ``refine_tokens``) by :meth:`PromptBuilder.segment_tokens`.
         refine_tokens: the longest refinement (``--refine-max-tokens``; 0: refinement off).
         voice_seconds: the longest recording of a voice (``--voice-max-seconds``; 0: off).
         transcript_tokens: the longest transcript of a recording, in model tokens.
