@@ -49,7 +49,8 @@ async def test_a_long_number_is_refused_at_start_not_failed_in_the_engine(make_m
     assert "tokens for the model" in log.errors[0]["message"]
     # The connection serves on.
     await start(ws, id="ok", text="Short and fine.", seed=1)
-    assert (await collect(ws, {"ok"}))["ok"].done["reason"] == "complete"  # type: ignore[index]
+    done = (await collect(ws, {"ok"}))["ok"].done
+    assert done is not None and done["reason"] == "complete"
     await ws.close()
 
 
