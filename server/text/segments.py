@@ -28,7 +28,7 @@ _SPACES: Final = re.compile(r"[ \t\r\f\v]+")
 DEFAULT_MAX_SEGMENT_CHARS: Final = 120
 DEFAULT_MIN_SEGMENT_CHARS: Final = 4
 #: A ``flush`` speaks at once when its text holds at least this much speech (16 Latin letters,
-#: 8 CJK characters or 2 digits: a clause) or ends a sentence; shorter text waits to merge with
+#: 8 CJK characters or 3 digits: a clause) or ends a sentence; shorter text waits to merge with
 #: what follows. Every segment costs a prefill and :data:`server.engine_api.SEGMENT_BASE_TOKENS`
 #: of allowance, so a clause-sized minimum keeps a storm of tiny flushes within 1.25x the work
 #: of its text sent at once.
