@@ -16,6 +16,7 @@ tests) and the ChatTTS engine.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, runtime_checkable
@@ -115,6 +116,50 @@ class SequenceRequest:
     seed_offset: int = 0
 
 
+# Audio tokens are ChatTTS's: 512 samples at 24 kHz, 46.9 a second of audio.
+#: What any segment may last beyond its words: lead-in, breath and trailing silence (1 s).
+SEGMENT_BASE_TOKENS = 47
+#: A Latin letter at 4 letters a second: a third of an ordinary speaking rate (12-15 letters a
+#: second), so even ``speed`` 0.5 with long pauses stays inside.
+TOKENS_PER_LETTER = 12
+#: A CJK character (one syllable) at 2 a second: half of a slow Mandarin rate (4-5 a second).
+TOKENS_PER_CJK = 24
+#: A digit is spelled out: up to about 8 letters a digit ("1234567" → 58 letters), 2 s.
+TOKENS_PER_DIGIT = 94
+#: A control tag (``[laugh]``, ``[uv_break]``) may add a laugh or a pause: 1 s.
+TOKENS_PER_TAG = 47
+_TAG = re.compile(r"\[\w+\]")  # the control tags of server.text.tags (checked before any engine)
+
+
+def speech_tokens(text: str) -> int:
+    """The audio tokens ``text``'s words may take at a generous (slow) speaking rate.
+
+    Counts what the model speaks: Latin letters (accented ones too), CJK ideographs, digits
+    (spelled out before the model sees them) and control tags; blanks, punctuation, emoji and
+    other scripts (which ChatTTS's normalizer deletes) add nothing.
+    """
+    tags = len(_TAG.findall(text))
+    tokens = tags * TOKENS_PER_TAG
+    for ch in _TAG.sub(" ", text):
+        if "\u3400" <= ch <= "\u9fff":
+            tokens += TOKENS_PER_CJK
+        elif ch.isdecimal():
+            tokens += TOKENS_PER_DIGIT
+        elif ch.isalpha() and (ch.isascii() or "\u00c0" <= ch <= "\u024f"):
+            tokens += TOKENS_PER_LETTER
+    return tokens
+
+
+def segment_token_cap(text: str, ceiling: int) -> int:
+    """The most audio tokens a segment of ``text`` may generate: its words' share, at most ``ceiling``.
+
+    ``min(ceiling, 47 + speech_tokens(text))``: a short text cannot buy ``ceiling`` tokens of
+    audio (2048 tokens are 44 s), and a model that babbles past the end of its text is cut off
+    in proportion to the text, whatever the engine.
+    """
+    return max(1, min(ceiling, SEGMENT_BASE_TOKENS + speech_tokens(text)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What one step produced for one sequence.
@@ -147,6 +192,9 @@ class EngineInfo:
     #: Identity of what :meth:`Engine.encode_voice` makes codes with (voices made under another
     #: identity are not used); ``None``: the engine cannot make voices from recordings.
     voice_encoder: str | None = None
+    #: The most tokens a segment's text may be for the model (:meth:`Engine.text_tokens`): its
+    #: prompt then fits what the KV slots and the warm-up were sized for. ``None``: no limit.
+    max_text_tokens: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -164,6 +212,16 @@ class Engine(Protocol):
 
     def validate_voice(self, voice: str) -> bool:
         """Whether ``voice`` names a voice this engine can speak."""
+        ...
+
+    def text_tokens(self, text: str) -> int:
+        """Tokens ``text`` is for the model after the engine's text pipeline (numbers spelled out).
+
+        Called from the event loop while the inference thread steps: an engine answers it
+        without touching state the inference thread uses. Exact above ``info.max_text_tokens``
+        (the limit it is held to); at or below it an engine may answer a cheaper bound above the
+        exact count that is itself within the limit (all a caller needs to know is that it fits).
+        """
         ...
 
     def add(self, request: SequenceRequest) -> None:

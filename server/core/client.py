@@ -153,6 +153,10 @@ class EngineClient:
         """Whether the engine speaks ``voice`` (engines answer from immutable data: any thread)."""
         return self.engine.validate_voice(voice)
 
+    def text_tokens(self, text: str) -> int:
+        """Tokens ``text`` is for the model (engines count apart from the inference thread: any thread)."""
+        return self.engine.text_tokens(text)
+
     # --- streams --------------------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> Generation:

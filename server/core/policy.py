@@ -48,7 +48,7 @@ from typing import assert_never
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
 from server.core.fairqueue import FairQueue, Waiting
 from server.core.plan import StreamPlan
-from server.engine_api import SequenceRequest, StepResult, SynthesisParams
+from server.engine_api import SequenceRequest, StepResult, SynthesisParams, segment_token_cap
 
 BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
 FAILED_MESSAGE = "the model failed while generating this stream"
@@ -326,14 +326,14 @@ class SchedulingPolicy:
         waited: list[float] = []
         while self._waiting and len(self._running) < self.batch_limit:
             entry = self._waiting.pop()
-            plan = entry.plan
-            seq_id = next(self._seq_ids)
+            plan, seq_id = entry.plan, next(self._seq_ids)
+            text = plan.segments[entry.segment]  # its tokens in proportion: no long babble for a short text
             added.append(
                 SequenceRequest(
                     seq_id=seq_id,
-                    text=plan.segments[entry.segment],
+                    text=text,
                     params=plan.params,
-                    max_tokens=self.config.max_tokens_per_segment,
+                    max_tokens=segment_token_cap(text, self.config.max_tokens_per_segment),
                     seed_offset=plan.first_segment + entry.segment,
                 )
             )

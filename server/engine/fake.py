@@ -126,6 +126,7 @@ class FakeEngine:
         log_limit: int = 100_000,
         refine: bool = True,
         voices: bool = True,
+        max_text_tokens: int | None = None,
     ) -> None:
         self.step_base_s = step_base_s
         self.step_per_row_s = step_per_row_s
@@ -136,6 +137,8 @@ class FakeEngine:
         #: Every step and every add/drop, bounded; tests read it.
         self.steps: deque[StepRecord] = deque(maxlen=log_limit)
         self.events: deque[tuple[str, int]] = deque(maxlen=log_limit)
+        #: Every sequence added, as asked (its ``max_tokens`` is the work it may cost), bounded.
+        self.added: deque[SequenceRequest] = deque(maxlen=log_limit)
         self._sequences: dict[int, _Sequence] = {}
         self._step_index = 0
         self._info = EngineInfo(
@@ -144,6 +147,7 @@ class FakeEngine:
             samples_per_token=SAMPLES_PER_TOKEN,
             refine=refine,
             voice_encoder=FAKE_VOICE_ENCODER if voices else None,
+            max_text_tokens=max_text_tokens,
         )
 
     @property
@@ -163,6 +167,10 @@ class FakeEngine:
         prefix, _, number = voice.partition(":")
         return prefix == "seed" and number.lstrip("-").isdigit()
 
+    def text_tokens(self, text: str) -> int:
+        """One token a character of the stripped text (a real engine spells numbers out first)."""
+        return len(text.strip())
+
     def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
         """Fake codes: 4 rows of one code per 512 samples, a function of the audio (ChatTTS: ~47 a second)."""
         if not transcript.strip():
@@ -179,6 +187,7 @@ class FakeEngine:
         total = len(audio) // SAMPLES_PER_TOKEN
         self._sequences[request.seq_id] = _Sequence(request, audio, total)
         self.events.append(("add", request.seq_id))
+        self.added.append(request)
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence."""
@@ -234,6 +243,7 @@ class FakeEngine:
             self.step([-1])
         self.steps.clear()
         self.events.clear()
+        self.added.clear()
         self._step_index = 0
 
     def close(self) -> None:

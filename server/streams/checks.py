@@ -7,6 +7,8 @@ refused request starts nothing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from server.audio import UnsupportedAudio, make_encoder
 from server.audio.base import FrameEncoder
@@ -15,7 +17,7 @@ from server.core.client import EngineClient
 from server.engine_api import SynthesisParams
 from server.errors import InvalidRequest, TextTooLong, Unsupported
 from server.streams.request import SpeechRequest
-from server.text.segments import has_speakable, split_segments
+from server.text.segments import TooManyTokens, fit_tokens, has_speakable, split_segments, unbreakable_runs
 from server.text.tags import problem as tag_problem
 from server.text.tags import refine_prompt_problem
 from server.voices.library import StoredVoice
@@ -70,13 +72,70 @@ def stream_encoder(
     return encoder
 
 
-def speakable_segments(text: str, max_chars: int) -> tuple[str, ...]:
-    """``text`` split into segments of at most ``max_chars``, those with nothing to speak left out.
+@dataclass(frozen=True)
+class PromptBudget:
+    """The engine's prompt budget for one segment's text, counted as the engine counts it.
+
+    Spelled-out numbers are many tokens a character (ChatTTS: about 12), so characters say little:
+    each segment is counted by the engine (:meth:`server.engine_api.Engine.text_tokens`) before
+    it is asked for, at ``start`` or ``append``, so that no segment fails inside the engine.
+
+    Attributes:
+        count: tokens of a text for the model.
+        limit: the most a segment may have (``None``: the engine has no limit).
+    """
+
+    count: Callable[[str], int]
+    limit: int | None
+
+    @classmethod
+    def of(cls, engine: EngineClient) -> PromptBudget:
+        """The budget of ``engine`` (loaded)."""
+        return cls(engine.text_tokens, engine.info.max_text_tokens)
+
+    def fit(self, segments: Iterable[str], *, hard: bool = False) -> list[str]:
+        """``segments``, each over the budget cut at clause ends or spaces (:func:`fit_tokens`).
+
+        Raises:
+            InvalidRequest: a piece with neither is over the budget (``hard``: it is cut instead,
+                for text already taken, which :meth:`check_runs` checked when it came).
+        """
+        if self.limit is None:
+            return list(segments)
+        try:
+            return [piece for seg in segments for piece in fit_tokens(seg, self.count, self.limit, hard=hard)]
+        except TooManyTokens as exc:
+            raise self._refusal(exc.piece, exc.tokens) from None
+
+    def check_runs(self, text: str) -> None:
+        """Refuse ``text`` if a run of it that cannot be cut (no clause end or space) is over the budget.
+
+        Raises:
+            InvalidRequest: the run, its tokens and the limit.
+        """
+        if self.limit is None:
+            return
+        for run in unbreakable_runs(text):
+            if (tokens := self.count(run)) > self.limit:
+                raise self._refusal(run, tokens)
+
+    def _refusal(self, piece: str, tokens: int) -> InvalidRequest:
+        shown = piece if len(piece) <= 40 else f"{piece[:37]}..."
+        return InvalidRequest(
+            f"{shown!r} is {tokens} tokens for the model (numbers are spelled out); a segment holds at "
+            f"most {self.limit}: add spaces or punctuation, or write long numbers in groups"
+        )
+
+
+def speakable_segments(text: str, max_chars: int, engine: EngineClient | None = None) -> tuple[str, ...]:
+    """``text`` in segments of at most ``max_chars`` and ``engine``'s prompt budget, each with words to speak.
 
     Raises:
-        InvalidRequest: none is left.
+        InvalidRequest: none is left, or a piece that cannot be cut is over the prompt budget.
     """
     segments = tuple(seg for seg in split_segments(text, max_chars=max_chars) if has_speakable(seg))
+    if engine is not None:
+        segments = tuple(PromptBudget.of(engine).fit(segments))
     if not segments:
         raise InvalidRequest(
             "text has nothing to speak (ChatTTS speaks Chinese and English; "

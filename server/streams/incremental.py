@@ -6,6 +6,17 @@ stream's :class:`~server.core.client.Generation` at once, and speaks an
 incomplete clause when no text has arrived for ``max_buffer_delay_ms`` (the
 stall timer restarts on every ``append``). All of it runs on the event loop;
 the timer is owned and cancelled here.
+
+A ``flush`` speaks at once only text that ends a sentence or holds a clause's worth of speech
+(:meth:`~server.text.segments.TextBuffer.flush_ready`); a shorter fragment is *held*: it merges
+with the text that follows until that is enough, and is spoken at the latest
+``max_buffer_delay_ms`` after the flush (a deadline later appends do not push back). So a storm
+of ``append "a"``, ``flush`` pairs (or ElevenLabs ``auto_mode`` messages) makes segments of a
+sensible size instead of one engine sequence per message.
+
+Every segment is held to the engine's prompt budget (:class:`~server.streams.checks.PromptBudget`)
+when its text arrives: an ``append`` whose unbreakable run (a long number) is over it is refused,
+and a segment over it is cut at clause ends or spaces, so none fails inside the engine mid-stream.
 """
 
 from __future__ import annotations
@@ -15,8 +26,9 @@ from collections.abc import Callable
 
 from server.core.generation import Generation
 from server.errors import InvalidRequest, TextTooLong
+from server.streams.checks import PromptBudget
 from server.text import tags
-from server.text.segments import TextBuffer
+from server.text.segments import TextBuffer, last_run_start
 
 
 class TextFeed:
@@ -31,10 +43,12 @@ class TextFeed:
         max_total_chars: int,
         max_pending_chars: int,
         delay_s: float,
+        budget: PromptBudget | None = None,
     ) -> None:
         #: The stream's generation, which each complete segment goes to.
         self.generation = generation
         self.buffer = buffer
+        self.budget = budget
         self.total_chars = total_chars
         self.max_total_chars = max_total_chars
         self.max_pending_chars = max_pending_chars
@@ -43,6 +57,8 @@ class TextFeed:
         #: ``append``/``flush``/``end`` messages read for this stream, taken or refused: a
         #: resumed client re-sends the ones after this count (lost with its old connection).
         self.received = 0
+        #: A ``flush`` holds its text until it is enough to speak or its deadline passes.
+        self.flush_held = False
         self._timer: asyncio.TimerHandle | None = None
         self._arm()
 
@@ -62,25 +78,36 @@ class TextFeed:
             raise TextTooLong(
                 f"more than {self.max_pending_chars} characters wait for a sentence end; send `flush`"
             )
+        if self.budget is not None:  # the run the text continues, and the text's own runs
+            pending = self.buffer.pending
+            self.budget.check_runs(pending[last_run_start(pending) :] + text)
         self.total_chars += len(text)
         self._submit(self.buffer.append(text))
-        self._arm()
+        if not self.flush_held:
+            self._arm()
+        elif not self.buffer.pending.strip():
+            self._release_held()  # the held text went out with a complete sentence
+        elif not self._tag_open() and self.buffer.flush_ready():
+            self._release_held()  # the held text and what followed it are now enough
 
     def flush(self) -> None:
-        """Speak what is buffered now (refused while a control tag is still open)."""
+        """Speak what is buffered: now if a sentence or a clause, else soon (refused while a tag is open)."""
         self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
-        self._submit(self.buffer.take_all())
-        self._disarm()
+        if self.buffer.flush_ready():
+            self._release_held()
+        elif not self.flush_held and self.buffer.pending.strip():
+            # Held: the stall timer now runs to the flush's deadline, not restarted by appends.
+            self.flush_held = True
+            self._arm()
 
     def end(self) -> None:
         """No more text: speak the rest, then the stream finishes (refused while a tag is open)."""
         self.received += 1
         self._check_open()
         self._check_tags(self.buffer.pending, open_end=False)
-        self._submit(self.buffer.take_all())
-        self._disarm()
+        self._release_held()
         self.ended = True
         self.generation.end_input()
 
@@ -100,7 +127,19 @@ class TextFeed:
         if problem is not None:
             raise InvalidRequest(problem)
 
+    def _tag_open(self) -> bool:
+        """A control tag at the end of the buffer still waits for its closing bracket."""
+        return tags.open_tail(self.buffer.pending) < len(self.buffer.pending)
+
+    def _release_held(self) -> None:
+        """Speak everything buffered now; no flush is held any more."""
+        self.flush_held = False
+        self._disarm()
+        self._submit(self.buffer.take_all())
+
     def _submit(self, segments: list[str]) -> None:
+        if self.budget is not None:  # runs were checked as they came: cutting at spaces suffices
+            segments = self.budget.fit(segments, hard=True)
         for segment in segments:
             self.generation.append(segment)
 
@@ -117,9 +156,13 @@ class TextFeed:
 
     def _stalled(self) -> None:
         self._timer = None
-        if not self.ended:
-            self._submit(self.buffer.take_clause())
-            self._arm()
+        if self.ended:
+            return
+        if self.flush_held and not self._tag_open():
+            self._release_held()  # the held flush's deadline
+            return
+        self._submit(self.buffer.take_clause())
+        self._arm()
 
 
 def open_feed(
@@ -130,10 +173,19 @@ def open_feed(
     max_total_chars: int,
     max_pending_chars: int,
     delay_s: float,
+    budget: PromptBudget | None = None,
 ) -> TextFeed:
-    """An incremental stream's text side: ``text``'s complete segments go to ``generate`` now."""
+    """An incremental stream's text side: ``text``'s complete segments go to ``generate`` now.
+
+    Raises:
+        InvalidRequest: a run of ``text`` that cannot be cut is over ``budget``.
+    """
     buffer = TextBuffer(max_chars=segment_max_chars)
-    generation = generate(tuple(buffer.append(text)))
+    first = buffer.append(text)
+    if budget is not None:
+        budget.check_runs(text)
+        first = budget.fit(first)
+    generation = generate(tuple(first))
     return TextFeed(
         generation,
         buffer,
@@ -141,4 +193,5 @@ def open_feed(
         max_total_chars=max_total_chars,
         max_pending_chars=max_pending_chars,
         delay_s=delay_s,
+        budget=budget,
     )

@@ -25,7 +25,7 @@ from server.errors import Draining, RateLimited, UnknownStream
 from server.metrics import Metrics
 from server.streams.budget import MemoryBudget
 from server.streams.cache import ResponseCache, cache_key
-from server.streams.checks import params_with_voice, speakable_segments, stream_encoder
+from server.streams.checks import PromptBudget, params_with_voice, speakable_segments, stream_encoder
 from server.streams.failover import Regeneration, ResumePoint
 from server.streams.failover import plan as plan_regeneration
 from server.streams.incremental import TextFeed, open_feed
@@ -238,13 +238,11 @@ class SpeechService:
         return stream_encoder(request, stored, self.settings, self.engine, ogg_serial=serial)
 
     def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
-        return speakable_segments(request.text or "", self.settings.segment_max_chars)
+        return speakable_segments(request.text or "", self.settings.segment_max_chars, self.engine)
 
     def _start_incremental(self, request: SpeechRequest, who: _Who) -> tuple[Generation, TextFeed]:
         s, params = self.settings, params_with_voice(request, who.voice)
-        delay_ms = (
-            s.max_buffer_delay_ms if request.max_buffer_delay_ms is None else request.max_buffer_delay_ms
-        )
+        delay_ms = request.max_buffer_delay_ms
         feed = open_feed(
             lambda first: self.engine.generate(
                 GenerateRequest(
@@ -256,6 +254,7 @@ class SpeechService:
             max_total_chars=s.max_text_chars,
             max_pending_chars=s.max_pending_chars,
             delay_s=(s.max_buffer_delay_ms if delay_ms is None else delay_ms) / 1000,
+            budget=PromptBudget.of(self.engine),
         )
         return feed.generation, feed
 

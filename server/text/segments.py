@@ -8,8 +8,10 @@ prosody natural. Everything here is pure and fast.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Final
 
+from server.engine_api import TOKENS_PER_LETTER, speech_tokens
 from server.text import tags
 
 #: Characters that end a sentence whatever follows (CJK and unambiguous Latin).
@@ -25,6 +27,14 @@ _SPACES: Final = re.compile(r"[ \t\r\f\v]+")
 
 DEFAULT_MAX_SEGMENT_CHARS: Final = 120
 DEFAULT_MIN_SEGMENT_CHARS: Final = 4
+#: A ``flush`` speaks at once when its text holds at least this much speech (16 Latin letters,
+#: 8 CJK characters or 3 digits: a clause) or ends a sentence; shorter text waits to merge with
+#: what follows. Every segment costs a prefill and :data:`server.engine_api.SEGMENT_BASE_TOKENS`
+#: of allowance, so a clause-sized minimum keeps a storm of tiny flushes within 1.25x the work
+#: of its text sent at once.
+FLUSH_MIN_SPEECH_TOKENS: Final = 16 * TOKENS_PER_LETTER
+#: Text that ends a sentence (or a line), closers and blanks after it allowed.
+_ENDS_SENTENCE: Final = re.compile(rf"(?:[{re.escape(_HARD_END)}]|\.|\n)[{re.escape(_CLOSERS)}]*\s*$")
 
 
 def clean(text: str) -> str:
@@ -140,6 +150,61 @@ def speakable_segments(sentences: list[str], *, max_chars: int) -> list[str]:
     ]
 
 
+class TooManyTokens(ValueError):
+    """A piece of text with no clause end or space is over the model's prompt budget.
+
+    Attributes:
+        piece: the piece (a long number, a run of letters).
+        tokens: what it is for the model.
+    """
+
+    def __init__(self, piece: str, tokens: int) -> None:
+        super().__init__(piece, tokens)
+        self.piece, self.tokens = piece, tokens
+
+
+def fit_tokens(segment: str, count: Callable[[str], int], limit: int, *, hard: bool = False) -> list[str]:
+    """``segment`` cut until each piece is at most ``limit`` tokens by ``count``.
+
+    A piece over the limit is cut at the clause end (``,`` ``、`` ``:``…) nearest its middle, else
+    at the space nearest its middle, so no word or number is broken; pieces with nothing to speak
+    are left out.
+
+    Raises:
+        TooManyTokens: a piece over the limit has neither (unless ``hard``: it is cut in half).
+    """
+    tokens = count(segment)
+    if tokens <= limit:
+        return [segment]
+    cut = _middle_cut(segment)
+    if cut is None:
+        if not hard or len(segment) < 2:
+            raise TooManyTokens(segment, tokens)
+        cut = tags.safe_cut(segment, len(segment) // 2)
+        if not 0 < cut < len(segment):  # one tag: nothing to cut
+            raise TooManyTokens(segment, tokens)
+    halves = (segment[:cut].strip(), segment[cut:].strip())
+    return [p for half in halves if has_speakable(half) for p in fit_tokens(half, count, limit, hard=hard)]
+
+
+def _middle_cut(text: str) -> int | None:
+    """The clause end nearest the middle of ``text``, else its space nearest the middle (None: neither)."""
+    ends = [m for m in _CLAUSE_END.finditer(text) if m.start() > 0 and m.end() < len(text)]
+    marks = [m.end() for m in ends if m.group().strip()] or [m.end() for m in ends]
+    return min(marks, key=lambda at: abs(2 * at - len(text)), default=None)
+
+
+def unbreakable_runs(text: str) -> list[str]:
+    """The runs of ``text`` that :func:`fit_tokens` cannot cut (between clause ends and spaces)."""
+    return [run for run in _CLAUSE_END.split(text) if run]
+
+
+def last_run_start(text: str) -> int:
+    """Where the last run of ``text`` begins: text appended later may continue it."""
+    ends = list(_CLAUSE_END.finditer(text))
+    return ends[-1].end() if ends else 0
+
+
 class TextBuffer:
     """Text that arrives in pieces (an LLM's tokens), released as speakable segments.
 
@@ -183,6 +248,15 @@ class TextBuffer:
         head, self._pending = self._pending[:cut], self._pending[cut:]
         head = clean(head)
         return speakable_segments([head], max_chars=self.max_chars) if head else []
+
+    def flush_ready(self) -> bool:
+        """Whether a ``flush`` should speak the pending text now rather than merge it with more.
+
+        It should when the text ends a sentence (a sentence's latency is kept) or holds a clause's
+        worth of speech (:data:`FLUSH_MIN_SPEECH_TOKENS`); a fragment ("a", "the") waits.
+        """
+        text = self._pending
+        return bool(_ENDS_SENTENCE.search(text)) or speech_tokens(text) >= FLUSH_MIN_SPEECH_TOKENS
 
     def take_all(self) -> list[str]:
         """Release everything buffered (``flush``, ``end``)."""

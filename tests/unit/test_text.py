@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -67,3 +68,35 @@ def test_segments_bounded_and_lose_no_speakable_characters(text: str, max_chars:
     assert all(0 < len(p) <= max_chars for p in pieces)
     keep = lambda s: "".join(ch for ch in s if ch.isalnum())  # noqa: E731
     assert keep("".join(pieces)) == keep(text)
+
+
+def test_fit_tokens_cuts_at_the_clause_end_then_spaces_and_never_inside_a_word() -> None:
+    from server.text.segments import TooManyTokens, fit_tokens
+
+    def count(text: str) -> int:
+        return len(text)
+
+    text = "alpha beta gamma, delta epsilon zeta eta theta"
+    pieces = fit_tokens(text, count, 20)
+    assert " ".join(pieces) == text and max(map(len, pieces)) <= 20
+    assert pieces[0] == "alpha beta gamma,"  # the clause mark first
+    assert fit_tokens("short", count, 20) == ["short"]
+    with pytest.raises(TooManyTokens) as refused:
+        fit_tokens("go " + "9" * 30, count, 20)
+    assert (refused.value.piece, refused.value.tokens) == ("9" * 30, 30)
+    # Text already taken (mid-stream) is cut hard instead, never inside a tag.
+    hard = fit_tokens("9" * 30 + "[laugh]" + "9" * 10, count, 20, hard=True)
+    assert "".join(hard) == "9" * 30 + "[laugh]" + "9" * 10 and max(map(len, hard)) <= 20
+    assert all(p.count("[") == p.count("]") for p in hard)
+
+
+def test_a_flush_is_ready_at_a_sentence_end_or_a_clause_of_speech() -> None:
+    from server.text.segments import TextBuffer
+
+    def ready(text: str) -> bool:
+        buffer = TextBuffer()
+        buffer.append(text)
+        return buffer.flush_ready()
+
+    assert ready("Yes.") and ready("a longer clause of words") and ready("我们今天去公园玩") and ready("123")
+    assert not ready("a") and not ready("the cat") and not ready("我们今天去公园") and not ready("12")

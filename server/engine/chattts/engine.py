@@ -222,21 +222,21 @@ class ChatTTSEngine:
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
         """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
 
-        ``text`` is the user's segment; it goes through :class:`ChatTTSText` (our number
-        speller, then ChatTTS's own normalizer) first. A voice from a recording reads
-        ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]`` (:mod:`server.engine.chattts.reference`).
+        ``text`` is the user's segment, put through :class:`ChatTTSText` (our number speller, then
+        ChatTTS's normalizer). A recording's voice: ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]``.
         """
         return self.prompts.code_prompt(self.text.model_text(text), params).text
+
+    def text_tokens(self, text: str) -> int:
+        """Tokens of ``text`` for the model, numbers spelled out (any thread: a tokenizer of its own)."""
+        return self.prompts.segment_tokens(text)
 
     def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
         """DVAE codes of a 24 kHz recording (``Chat.sample_audio_speaker``), checked against the limits."""
         return self.prompts.encode_voice(audio, transcript)
 
     def add(self, request: SequenceRequest) -> None:
-        """Tokenize and register a sequence; its prefill runs inside the next step that names it.
-
-        With ``params.refine`` the sequence first waits for its refinement (:class:`RefineQueue`).
-        """
+        """Tokenize and register a sequence; prefilled in the next step naming it (refined first if asked)."""
         if request.seq_id in self._seqs or request.seq_id in self._refining:
             raise EngineError(f"sequence {request.seq_id} already exists")
         if self.live_sequences >= self.slots:

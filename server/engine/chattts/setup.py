@@ -135,6 +135,8 @@ def engine_info(
         refine=options.refine_max_tokens > 0,
         # A voice's codes are the DVAE encoder's: voices made with other DVAE weights are not used.
         voice_encoder=file_identity(dvae) if options.voice_max_seconds > 0 else None,
+        # PromptLimits' text part, as the engine builds them: what the slots and warm-up were sized for.
+        max_text_tokens=max(options.warmup_prompt_chars, options.refine_max_tokens),
         extra=extra,
     )
 
