@@ -378,7 +378,7 @@ class SlotBatch:
         block = int(pending.shape[1])
         index = upload([row.slot * block + i for row, k in made for i in range(k)], pending.device)
         states = pending[:batch].flatten(0, 1).index_select(0, index)
-        parts = states.split([k for _, k in made])
+        parts = torch.split(states, [k for _, k in made])
         return [(row, part) for (row, _), part in zip(made, parts, strict=True)]
 
     def _decode(self, due: list[tuple[Row, bool]]) -> dict[int, npt.NDArray[np.float32]]:

@@ -27,12 +27,12 @@ class BlockSummary:
 
     Attributes:
         produced: tokens each slot accepted in this block so far.
-        alive: whether each slot still steps (has not ended, takes part in the block).
+        alive: 1 where a slot still steps (has not ended, takes part in the block), else 0.
         lengths: each slot's filled KV positions.
     """
 
     produced: list[int]
-    alive: list[bool]
+    alive: list[int]
     lengths: list[int]
 
     @property
@@ -55,7 +55,7 @@ class SummaryReader:
         self._event: torch.cuda.Event | None = None
         if self._cuda:
             self._host = torch.empty(3 * slots, dtype=torch.long, pin_memory=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         #: Summaries read so far (tests and the engine's counters).
         self.reads = 0
 
@@ -72,7 +72,7 @@ class SummaryReader:
             summary = host
         made, alive, filled = summary.tolist()  # on CUDA a host tensor: no device access
         self.reads += 1
-        return BlockSummary(produced=made, alive=[bool(a) for a in alive], lengths=filled)
+        return BlockSummary(made, alive, filled)
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
