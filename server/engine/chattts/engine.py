@@ -9,8 +9,7 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 * blocks of token steps (:mod:`.step.runner`) over the slots (:mod:`.step.token_step`, the Llama
   in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
   (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
-  (:mod:`.step.sampling`), in quanta of ``quantum_tokens`` steps: one summary comes back to the
-  host per quantum (:mod:`.step.summary`);
+  (:mod:`.step.sampling`), in quanta of ``quantum_tokens`` steps: one host read per quantum;
 * incremental decode of only the new tokens, each row on its own block schedule, all rows due
   in one batched Decoder + Vocos call (on the CPU, one per group of similar window lengths,
   in bf16 with a bf16 GPT) (:mod:`.decode`, :mod:`.vocode`). Only ``server/engine/chattts/`` imports torch.
@@ -75,8 +74,7 @@ class ChatTTSEngine:
         step_runner: RunnerFactory | None = None,
     ) -> None:
         self.options = options  # what it was built with
-        self.block_schedule = options.block_schedule
-        self.prefill_bucket = options.prefill_bucket
+        self.block_schedule, self.prefill_bucket = options.block_schedule, options.prefill_bucket
         chat = self._chat = loaded.chat
         self._loaded, self.device, self.dtype = loaded, device, dtype
         self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
