@@ -4,9 +4,10 @@
 
 The token step has static shapes: at a given (batch, attention length) it runs the same
 kernels whichever rows are live, so it is timed on the warmed-up engine with no sequence
-at all, exactly as serving runs it: ``runner.run(batch, length)`` and the one host read
-per token. "graphs" replays the engine's captured CUDA graphs; "eager" calls the same step
-from Python (what ``--cuda-graphs off`` and the CPU do).
+at all, as serving runs it: ``runner.run(batch, length)`` and the engine's one host read
+per quantum, here after every token (a quantum of 1, the most reads). "graphs" replays the
+engine's captured CUDA graphs; "eager" calls the same step from Python (what
+``--cuda-graphs off`` and the CPU do).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ def time_runner(engine: Any, runner: Any, batch: int, length: int, iterations: i
     """Milliseconds per token step (median of 3 runs of ``iterations`` steps)."""
     import torch
 
-    state = engine._batch.state
     runs = []
     for _ in range(3):
         if engine.device.type == "cuda":
@@ -30,7 +30,7 @@ def time_runner(engine: Any, runner: Any, batch: int, length: int, iterations: i
         began = time.perf_counter()
         for _ in range(iterations):
             runner.run(batch, length)
-            bool(state.any_alive)  # the engine's one host read per token
+            engine._batch._read(batch)  # the engine's one host read per quantum (here: per token)
         runs.append(1000 * (time.perf_counter() - began) / iterations)
     return sorted(runs)[1]
 

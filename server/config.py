@@ -106,6 +106,13 @@ class Settings:
         "2nd block: a listener starts on 0.4 s of audio and each block must arrive before what it holds "
         "is played (this ramp holds at a step of up to 19 ms a token, 0.89 of real time)",
     )
+    quantum_tokens: int = _opt(
+        0,
+        "token steps the engine runs back to back between two reads of its results; blocks are whole "
+        "quanta and a waiting start, append or cancel ends one only between quanta; must divide every "
+        "block of --block-schedule; 0: 4 on CUDA (where a read per token costs as much as a step), "
+        "1 on the CPU",
+    )
     prefill_bucket: int = _opt(
         16, "pad prompts up to a multiple of this many tokens: few kernel shapes, flat memory (1: off)"
     )

@@ -77,6 +77,13 @@ def engine_options(settings: Settings) -> EngineOptions:
     from server.voices.recording import transcript_limit  # soundfile: only when an engine is built
 
     blocks = parse_block_schedule(settings.block_schedule)
+    if settings.quantum_tokens < 0 or (
+        settings.quantum_tokens and any(block % settings.quantum_tokens for block in blocks)
+    ):
+        raise ValueError(
+            f"--quantum-tokens {settings.quantum_tokens}: must be 0 (the device's default) or divide "
+            f"every block of --block-schedule {settings.block_schedule}"
+        )
     if settings.prefill_bucket < 1:
         raise ValueError(f"--prefill-bucket {settings.prefill_bucket}: must be at least 1 (1: off)")
     if settings.segment_max_tokens < 1:
@@ -89,6 +96,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         raise ValueError(f"--omp-spin-count {settings.omp_spin_count}: must be 0 (sleep at once) or more")
     return EngineOptions(
         block_schedule=blocks,
+        quantum_tokens=settings.quantum_tokens or None,
         prefill_bucket=settings.prefill_bucket,
         warmup_prompt_chars=settings.segment_max_chars,
         max_batch=settings.max_batch,

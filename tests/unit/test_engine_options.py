@@ -32,6 +32,8 @@ def test_defaults_are_the_engines() -> None:
     assert options.refine_max_tokens == 384
     assert options.voice_max_seconds == 10.0
     assert options.voice_transcript_tokens is None
+    assert options.quantum_tokens is None  # the device's: 4 on CUDA, 1 on the CPU
+    assert (options.quantum_for("cuda"), options.quantum_for("cpu")) == (4, 1)
     assert options.transcript_tokens == 200  # 20 tokens a second of the longest recording
 
 
@@ -68,6 +70,8 @@ def test_block_schedule_is_kept_as_a_tuple_of_ints() -> None:
         ({"prefill_bucket": 0}, r"prefill_bucket 0: must be at least 1 \(1: no padding\)"),
         ({"max_batch": 0}, r"max_batch 0: must be at least 1"),
         ({"segment_max_tokens": 0}, r"segment_max_tokens 0: must be at least 1"),
+        ({"quantum_tokens": 0}, r"quantum_tokens 0: must be at least 1 and divide every block"),
+        ({"quantum_tokens": 3}, r"quantum_tokens 3: .*divide every block of block_schedule 8,16,20"),
         ({"vocoder_dtype": "float16"}, r"vocoder_dtype 'float16': must be one of auto, float32, bfloat16"),
     ],
 )
@@ -83,13 +87,23 @@ def test_values_the_engine_clamps_are_accepted() -> None:
     assert EngineOptions(prefill_bucket=1).prefill_bucket == 1
 
 
+def test_the_quantum_divides_every_block() -> None:
+    """Blocks are whole quanta, so the decode windows stay where the schedule puts them."""
+    assert EngineOptions(quantum_tokens=2).quantum_for("cpu") == 2  # given: on every device
+    assert EngineOptions(block_schedule=(8, 16), quantum_tokens=8).quantum_for("cuda") == 8
+    # CUDA's default is the largest of 4, 2, 1 that divides the schedule
+    assert EngineOptions(block_schedule=(6, 10)).quantum_for("cuda") == 2
+    assert EngineOptions(block_schedule=(8, 9)).quantum_for("cuda") == 1
+
+
 def test_engine_options_maps_the_flags() -> None:
     flags = ["--block-schedule", "4,8", "--prefill-bucket", "32", "--segment-max-chars", "80"]
     flags += ["--max-batch", "3", "--segment-max-tokens", "900", "--cuda-graphs", "off"]
     flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5", "--compile-step", "on"]
-    flags += ["--vocoder-dtype", "float32"]
+    flags += ["--vocoder-dtype", "float32", "--quantum-tokens", "2"]
     assert engine_options(load_settings(flags, env={})) == EngineOptions(
         block_schedule=(4, 8),
+        quantum_tokens=2,
         prefill_bucket=32,
         warmup_prompt_chars=80,
         max_batch=3,
@@ -119,6 +133,16 @@ def test_the_flags_defaults_are_the_engines() -> None:
         (["--segment-max-tokens", "0"], "--segment-max-tokens 0: must be at least 1"),
         (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
         (["--refine-max-tokens", "-1"], "--refine-max-tokens -1: must be 0 (off) or more"),
+        (
+            ["--quantum-tokens", "3"],
+            "--quantum-tokens 3: must be 0 (the device's default) or divide every block of "
+            "--block-schedule 8,16,20,20,24,24,28,32",
+        ),
+        (
+            ["--quantum-tokens", "-1"],
+            "--quantum-tokens -1: must be 0 (the device's default) or divide every block of "
+            "--block-schedule 8,16,20,20,24,24,28,32",
+        ),
     ],
 )
 def test_engine_options_refuses_a_flag_by_its_name(flags: list[str], message: str) -> None:

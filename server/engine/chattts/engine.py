@@ -9,7 +9,7 @@ embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 * blocks of token steps (:mod:`.step.runner`) over the slots (:mod:`.step.token_step`, the Llama
   in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
   (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
-  (:mod:`.step.sampling`); one value comes back to the host per token, one summary per block;
+  (:mod:`.step.sampling`), in quanta of ``quantum_tokens`` steps: one host read per quantum;
 * incremental decode of only the new tokens, each row on its own block schedule, all rows due
   in one batched Decoder + Vocos call (on the CPU, one per group of similar window lengths,
   in bf16 with a bf16 GPT) (:mod:`.decode`, :mod:`.vocode`). Only ``server/engine/chattts/`` imports torch.
@@ -74,8 +74,7 @@ class ChatTTSEngine:
         step_runner: RunnerFactory | None = None,
     ) -> None:
         self.options = options  # what it was built with
-        self.block_schedule = options.block_schedule
-        self.prefill_bucket = options.prefill_bucket
+        self.block_schedule, self.prefill_bucket = options.block_schedule, options.prefill_bucket
         chat = self._chat = loaded.chat
         self._loaded, self.device, self.dtype = loaded, device, dtype
         self.min_tokens = max(1, options.min_tokens)  # ChatTTS never returns an empty sequence
@@ -120,6 +119,7 @@ class ChatTTSEngine:
             max_len=self.max_len,
             block_schedule=self.block_schedule,
             prefill_bucket=self.prefill_bucket,
+            quantum=options.quantum_for(device.type),
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
@@ -134,7 +134,7 @@ class ChatTTSEngine:
         self._seqs: dict[int, Row] = {}
         #: Called with every sequence's accepted tokens after each step (``None``: off; tests set it).
         self.token_tap: TokenTap | None = None
-        #: Asked after each token: True ends the block there (the core's "a command waits"; None: off).
+        #: Asked after each quantum: True ends the block there (the core's "a command waits"; None: off).
         self.interrupt: Interrupt | None = None
         self._info = self._describe()
 

@@ -15,6 +15,9 @@ TRANSCRIPT_TOKENS_PER_SECOND = 20
 #: ``quantize``'s values: the GPT's projections as loaded, weight-only int8, or int8 weights and
 #: per-row int8 activations (:mod:`server.engine.chattts.step.w8a8`, the CPU only).
 QUANTIZE_CHOICES = ("none", "int8", "w8a8")
+#: The quantum on CUDA when none is given: a graph replay is a few milliseconds, so a host read
+#: and the Python around it per token would weigh as much as the step.
+CUDA_QUANTUM = 4
 #: ``vocoder_dtype``'s values (:func:`server.engine.chattts.vocode.vocoder_dtype`).
 VOCODER_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -37,6 +40,14 @@ class EngineOptions:
     CPU cores with the compiled w8a8 step); this one holds up to about 19 ms, 0.89 of real time
     (``tests/unit/test_engine_options.py``, ``bench/results/cpu_c1_timeline.md``).
     """
+
+    quantum_tokens: int | None = None
+    """Token steps enqueued back to back between two host reads (``--quantum-tokens``). Every block
+    is a whole number of quanta: rows join, leave and decode only at quantum boundaries, and a
+    waiting command ends a block only there. ``None``: :data:`CUDA_QUANTUM` on CUDA (the
+    largest of 4, 2, 1 that divides every block) and 1 on the CPU, where a step is long enough
+    that a read per token costs nothing and a command waits one token at most. A value given
+    must divide every block of ``block_schedule``, so the decode windows stay as they are."""
 
     default_voice: str = "seed:2"
     """What voice ``"default"`` is (``seed:N`` or a speaker string)."""
@@ -107,6 +118,13 @@ class EngineOptions:
         object.__setattr__(self, "block_schedule", blocks)
         if not blocks or min(blocks) < 1:
             raise ValueError(f"block_schedule {blocks!r}: needs at least one block, each at least 1 token")
+        if self.quantum_tokens is not None and (
+            self.quantum_tokens < 1 or any(block % self.quantum_tokens for block in blocks)
+        ):
+            raise ValueError(
+                f"quantum_tokens {self.quantum_tokens}: must be at least 1 and divide every block of "
+                f"block_schedule {','.join(map(str, blocks))}"
+            )
         if self.prefill_bucket < 1:
             raise ValueError(f"prefill_bucket {self.prefill_bucket}: must be at least 1 (1: no padding)")
         if self.max_batch < 1:
@@ -118,6 +136,14 @@ class EngineOptions:
         if self.vocoder_dtype not in VOCODER_DTYPE_CHOICES:
             choices = ", ".join(VOCODER_DTYPE_CHOICES)
             raise ValueError(f"vocoder_dtype {self.vocoder_dtype!r}: must be one of {choices}")
+
+    def quantum_for(self, device_type: str) -> int:
+        """The quantum on a device of type ``device_type``: ``quantum_tokens``, or its default."""
+        if self.quantum_tokens is not None:
+            return self.quantum_tokens
+        if device_type != "cuda":
+            return 1
+        return math.gcd(CUDA_QUANTUM, *self.block_schedule)
 
     @property
     def transcript_tokens(self) -> int:

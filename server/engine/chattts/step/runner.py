@@ -1,36 +1,37 @@
-"""One engine step over KV-slot rows: prefill into a slot, the token loop, the block summary, batched decode.
+"""One engine step over KV-slot rows: prefill into a slot, the block of quanta, batched decode.
 
 :class:`SlotBatch` owns the static machinery (KV slots, slot state, token
 step and its runner, batched vocoder) and runs one block for the rows it is
 given:
 
 1. ``begin_block`` marks the rows' slots as stepping (one small upload);
-2. each token is one ``runner.run(batch, length)`` (a CUDA graph replay on a
-   GPU) followed by one read of ``any_alive``, so the loop stops as soon as
-   every row has ended;
-3. one read of the rows' ``produced``/``stepping``/``lengths`` per block;
-4. every row whose own block schedule says it is due (or that ended) plans
-   its decode window, and all windows go through one batched Decoder + Vocos
-   call.
+2. the block is a whole number of quanta: a quantum is ``K`` token steps
+   (``runner.run(batch, length)``, a CUDA graph replay on a GPU) enqueued back to
+   back, with no read in between (a row that ends stops producing on the device);
+3. after each quantum, ONE read of the rows' ``produced``/``stepping``/``lengths``
+   (:mod:`.summary`): the block stops when no row steps, or when the core's
+   ``interrupt`` says a command waits; never inside a quantum;
+4. every row whose own block schedule says it is due (or that ended) plans its
+   decode window, and all windows go through one batched Decoder + Vocos call.
 
 A row decodes every ``block_schedule[k]`` tokens of its own, whatever the
 other rows do: the block a step runs is the fewest tokens any row needs to
 reach its next decode, so a newcomer's short first block no longer makes
-every other row decode (and re-decode context) after 8 tokens.
+every other row decode (and re-decode context) after 8 tokens. The schedule's
+blocks are multiples of ``K``, so quanta leave every decode window as it was.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from server.engine.chattts.decode import DecodeWindow, StreamDecoder
+from server.engine.chattts.decode import DecodeWindow
 from server.engine.chattts.step import decode_attention
 from server.engine.chattts.step.compiled import CompiledRunner
 from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
@@ -42,10 +43,14 @@ from server.engine.chattts.step.kv import (
     kv_dtype,
     length_buckets,
 )
+from server.engine.chattts.step.rows import Row, SlotLayout
+from server.engine.chattts.step.summary import BlockSummary, SummaryReader, upload
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
 from server.engine.chattts.vocode import vocoder_dtype as vocoder_dtype_of
-from server.engine_api import SequenceRequest, StepResult
+from server.engine_api import StepResult
+
+__all__ = ["Interrupt", "Row", "RunnerFactory", "SlotBatch", "SlotLayout", "TokenTap"]
 
 log = logging.getLogger(__name__)
 
@@ -54,50 +59,8 @@ log = logging.getLogger(__name__)
 TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: Builds the step runner around the static step (tests pass a recording one).
 RunnerFactory = Callable[[StepFn], StepRunner]
-#: Asked after each token of a block but its last: True ends the block at that token boundary.
+#: Asked after each quantum of a block but its last: True ends the block at that quantum boundary.
 Interrupt = Callable[[], bool]
-
-
-@dataclass
-class Row:
-    """One sequence as the engine holds it."""
-
-    request: SequenceRequest
-    input_ids: torch.Tensor
-    text_mask: torch.Tensor
-    speaker: torch.Tensor | None  # None: a voice from a recording ([empty_spk] + its codes)
-    key: tuple[int, int]
-    decoder: StreamDecoder
-    max_tokens: int
-    slot: int = -1  # -1 until prefilled
-    length: int = 0  # filled KV positions (host copy, refreshed every block)
-    decodes: int = 0  # decode windows so far: the position in the block schedule
-    undecoded: int = 0  # tokens pushed since the last decode
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlotLayout:
-    """Sizes of the static machinery.
-
-    Attributes:
-        layers, kv_heads, head_dim, hidden_size, num_vq: the model's.
-        slots: KV slots (``--max-batch``).
-        max_len: positions per slot.
-        block_schedule: tokens between a row's decodes (last repeats).
-        eos: the end code.
-        prefill_bucket: prompts are prefilled padded to a multiple of this (1: unpadded).
-    """
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    hidden_size: int
-    num_vq: int
-    slots: int
-    max_len: int
-    block_schedule: tuple[int, ...]
-    eos: int
-    prefill_bucket: int = 1
 
 
 class SlotBatch:
@@ -170,6 +133,7 @@ class SlotBatch:
             attend=decode_attention.step_attention if compiled and decode_attention.load() else None,
         )
         self.vocoder = vocoder
+        self.summaries = SummaryReader(layout.slots, device)
         if step_runner is not None:
             self.runner: StepRunner = step_runner(self.token_step)
         elif cuda_graphs and device.type == "cuda":
@@ -210,6 +174,7 @@ class SlotBatch:
             "kv_max_len": str(self.layout.max_len),
             "kv_cache_bytes": str(self.kv.nbytes),
             "token_step": self.runner.kind,
+            "quantum_tokens": str(self.layout.quantum),
             "attention": getattr(self.token_step.attend, "__name__", "custom"),
             "vocoder_dtype": str(self.vocoder.dtype).removeprefix("torch."),
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
@@ -233,11 +198,13 @@ class SlotBatch:
         max_len: int,
         block_schedule: tuple[int, ...],
         prefill_bucket: int,
+        quantum: int = 1,
         vocoder_dtype: str = "float32",
         **options: Any,
     ) -> SlotBatch:
         """The batch for a loaded ``Chat`` whose Llama (``llama``, already in its dtype) runs the steps.
 
+        ``quantum``: token steps between two host reads (:class:`.rows.SlotLayout`).
         ``vocoder_dtype``: the Decoder's and Vocos backbone's option (:func:`.vocode.vocoder_dtype`;
         they are converted in place).
         ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w`` and ``vocoder``.
@@ -255,6 +222,7 @@ class SlotBatch:
             block_schedule=block_schedule,
             eos=int(embed.num_audio_tokens) - 1,
             prefill_bucket=prefill_bucket,
+            quantum=quantum,
         )
         with torch.inference_mode():
             # Stacked once: weight_norm would recompute each head's weight on every call.
@@ -338,48 +306,53 @@ class SlotBatch:
     ) -> list[StepResult]:
         """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released).
 
-        ``interrupt`` returning True after a token ends the block there, so that a newcomer (or a
-        cancel) waits one token, not a whole block. A row decodes only at its own schedule's
-        targets, so an early end changes neither tokens nor audio: the rest of its block is the
-        next one.
+        The block runs in quanta of ``layout.quantum`` token steps, each followed by the one host
+        read of the summary. ``interrupt`` returning True after a quantum ends the block there, so
+        that a newcomer (or a cancel) waits one quantum, not a whole block; it never cuts a
+        quantum short. A row decodes only at its own schedule's targets, so an early end changes
+        neither tokens nor audio: the rest of its block is the next one.
         """
+        quantum = self.layout.quantum
         block = min(self._target(r) - r.undecoded for r in rows)
+        quanta = max(1, -(-block // quantum))  # whole: the schedule's blocks are multiples of the quantum
         batch = bucket_for(self.batch_buckets, max(r.slot for r in rows) + 1)
         self.state.begin_block([r.slot for r in rows])
-        longest = max(r.length for r in rows)
-        for t in range(block):
-            length = bucket_for(self.length_buckets, min(longest + t + 1, self.layout.max_len))
-            self.runner.run(batch, length)
-            if not bool(self.state.any_alive):  # the one device→host read per token
+        longest, t = max(r.length for r in rows), 0
+        for q in range(quanta):
+            for _ in range(quantum):  # enqueued back to back: no read inside a quantum
+                t += 1
+                self.runner.run(batch, bucket_for(self.length_buckets, min(longest + t, self.layout.max_len)))
+            summary = self._read(batch)  # the one device→host read per quantum
+            if not summary.any_alive or (interrupt is not None and q + 1 < quanta and interrupt()):
                 break
-            if interrupt is not None and t + 1 < block and interrupt():
-                break
-        return self._end_block(rows, batch, token_tap)
+        return self._end_block(rows, batch, summary, token_tap)
 
-    def _end_block(self, rows: list[Row], batch: int, token_tap: TokenTap | None) -> list[StepResult]:
-        """Read the block's summary once; decode every row that is due in one call."""
+    def _read(self, batch: int) -> BlockSummary:
         st = self.state
-        summary = torch.stack([st.produced[:batch], st.stepping[:batch].long(), st.lengths[:batch]])
-        produced, alive, lengths = summary.tolist()
-        for slot, length in enumerate(lengths):  # every row of [0, batch) wrote at its length
+        return self.summaries.read(batch, st.produced, st.stepping, st.lengths)
+
+    def _end_block(
+        self, rows: list[Row], batch: int, summary: BlockSummary, token_tap: TokenTap | None
+    ) -> list[StepResult]:
+        """Hand each row its tokens' states (one gather for all); decode every row that is due in one call."""
+        st, produced, alive = self.state, summary.produced, summary.alive
+        for slot, length in enumerate(summary.lengths):  # every row of [0, batch) wrote at its length
             self.kv.cover(slot, length + 1)
-        windows: list[tuple[Row, DecodeWindow]] = []
+        for row, hiddens in self._gather(rows, batch, produced):
+            row.decoder.push(hiddens)
+            if token_tap is not None:  # copies: the buffers are reused by the next block
+                codes = st.pending_codes[row.slot, : len(hiddens)].to("cpu", copy=True)
+                token_tap(row.request.seq_id, codes, hiddens.to("cpu", copy=True))
+        due: list[tuple[Row, bool]] = []
         for row in rows:
-            k, row.length = produced[row.slot], lengths[row.slot]
-            row.undecoded += k
-            if k:
-                row.decoder.push(st.pending_hidden[row.slot, :k].clone())
-                if token_tap is not None:  # copies: the buffers are reused by the next block
-                    codes = st.pending_codes[row.slot, :k].to("cpu", copy=True)
-                    token_tap(row.request.seq_id, codes, st.pending_hidden[row.slot, :k].to("cpu", copy=True))
+            row.length = summary.lengths[row.slot]
+            row.undecoded += produced[row.slot]
             finished = not alive[row.slot]
             if finished or row.undecoded >= self._target(row):
                 row.decodes += 1
                 row.undecoded = 0
-                window = row.decoder.plan(final=finished)
-                if window is not None:
-                    windows.append((row, window))
-        audio = self._decode(windows)
+                due.append((row, finished))
+        audio = self._decode(due)
         empty = np.zeros(0, dtype=np.float32)
         return [
             StepResult(
@@ -391,7 +364,30 @@ class SlotBatch:
             for row in rows
         ]
 
-    def _decode(self, windows: list[tuple[Row, DecodeWindow]]) -> dict[int, npt.NDArray[np.float32]]:
+    def _gather(self, rows: list[Row], batch: int, produced: list[int]) -> list[tuple[Row, torch.Tensor]]:
+        """Each row that produced tokens with a copy of their states, all gathered in one device op.
+
+        One gather rather than a copy per row: the work between quanta must not grow with the
+        rows. The copy holds exactly the block's produced tokens (the buffers are reused by the
+        next block); each row keeps its part until it decodes.
+        """
+        made = [(row, produced[row.slot]) for row in rows if produced[row.slot]]
+        if not made:
+            return []
+        pending = self.state.pending_hidden
+        block = int(pending.shape[1])
+        index = upload([row.slot * block + i for row, k in made for i in range(k)], pending.device)
+        states = pending[:batch].flatten(0, 1).index_select(0, index)
+        parts = torch.split(states, [k for _, k in made])
+        return [(row, part) for (row, _), part in zip(made, parts, strict=True)]
+
+    def _decode(self, due: list[tuple[Row, bool]]) -> dict[int, npt.NDArray[np.float32]]:
+        """The decode stage: each due row plans its window, all go through one batched vocoder call."""
+        windows: list[tuple[Row, DecodeWindow]] = []
+        for row, finished in due:
+            window = row.decoder.plan(final=finished)
+            if window is not None:
+                windows.append((row, window))
         if not windows:
             return {}
         wavs = self.vocoder.decode([w.hiddens for _, w in windows])

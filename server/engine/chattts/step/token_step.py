@@ -31,6 +31,7 @@ from server.engine.chattts.step.sampling import (
     counter_uniforms,
     sample_codes,
 )
+from server.engine.chattts.step.summary import upload
 
 
 @dataclass(eq=False)
@@ -49,7 +50,6 @@ class SlotState:
         produced: ``(S,)`` tokens accepted in this block.
         pending_hidden: ``(S, block, hidden)`` the states that produced this block's tokens.
         pending_codes: ``(S, block, num_vq)`` this block's codes.
-        any_alive: ``()`` bool, some row still steps (the one value read back per token).
         slot_index: ``arange(S)``; stream_index: ``arange(num_vq)``; columns: ``arange(max_len)``.
     """
 
@@ -67,7 +67,6 @@ class SlotState:
     produced: torch.Tensor
     pending_hidden: torch.Tensor
     pending_codes: torch.Tensor
-    any_alive: torch.Tensor
     slot_index: torch.Tensor
     stream_index: torch.Tensor
     columns: torch.Tensor
@@ -107,7 +106,6 @@ class SlotState:
             produced=long(slots),
             pending_hidden=torch.zeros((slots, block, hidden_size), device=device),
             pending_codes=long(slots, block, num_vq),
-            any_alive=torch.zeros((), dtype=torch.bool, device=device),
             slot_index=count(slots),
             stream_index=count(num_vq),
             columns=count(max_len),
@@ -145,7 +143,7 @@ class SlotState:
     def begin_block(self, slots: list[int]) -> None:
         """Mark the rows of this block as stepping and clear the block's outputs."""
         self.stepping.zero_()
-        self.stepping[torch.tensor(slots, dtype=torch.long, device=self.stepping.device)] = True
+        self.stepping[upload(slots, self.stepping.device)] = True
         self.produced.zero_()
 
 
@@ -217,7 +215,6 @@ class TokenStep:
         st.hidden[:b] = torch.where(go_on.unsqueeze(1), new_hidden, hidden)
         st.lengths[:b] += go_on
         st.stepping[:b] = go_on
-        st.any_alive.copy_(go_on.any())
 
     def _record(self, b: int, accept: torch.Tensor, hidden: torch.Tensor, codes: torch.Tensor) -> None:
         """Keep the state that produced each accepted token (and the code) at the row's block index."""
