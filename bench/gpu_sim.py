@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.gpu_sim_model import BLOCK_SCHEDULE, CostModel
-from bench.gpu_sim_run import TTFA_P99_LIMIT_S, SimSettings, dump, mean_stream_s, run_level
 from bench.gpu_sim_report import render
+from bench.gpu_sim_run import TTFA_P99_LIMIT_S, SimSettings, dump, mean_stream_s, run_level
 from bench.textset import DEFAULT_TEXTS, load_texts
 from server.core.policy import PolicyConfig
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookahead", type=int, default=1, help="the server's --segment-lookahead")
     p.add_argument("--lead-s", type=float, default=1.0, help="the server's --lookahead-lead-s")
     p.add_argument("--no-bisect", action="store_true", help="skip the search for the most streams")
+    p.add_argument(
+        "--no-what-if", action="store_true", help="skip the searches with look-ahead off and unbounded places"
+    )
     p.add_argument("--bisect-max", type=int, default=2048, help="the search's ceiling")
     p.add_argument("--bisect-step", type=int, default=32, help="the search's resolution")
     p.add_argument("--seed", type=int, default=43)
@@ -87,27 +91,44 @@ def settings_of(args: argparse.Namespace, model: CostModel) -> SimSettings:
 
 
 def limit_of(level: dict[str, Any], settings: SimSettings) -> str:
-    """Why a level failed, in words, from its figures."""
-    reasons = []
+    """Why a level failed, in words, from its figures: the rule it broke, then the cause."""
+    broke = []
     if level["refused"]:
-        reasons.append(f"admission refused {level['refused']} streams (--max-queue {settings.policy.max_queue})")
-    if level["peak_slots"] >= min(settings.slots, settings.policy.max_batch):
-        reasons.append(
-            f"every batch place was taken ({level['peak_slots']} rows, --max-batch "
-            f"{settings.policy.max_batch}, {settings.slots} KV slots): newcomers waited for a place"
+        broke.append(
+            f"admission refused {level['refused']} streams (--max-queue {settings.policy.max_queue})"
+        )
+    under = level["listeners"]["300"]["streams_with_underruns"]
+    if under:
+        broke.append(f"{under} streams under-ran at 300 ms")
+    p99 = level["ttfa_ms"]["p99"]
+    if p99 is not None and p99 > TTFA_P99_LIMIT_S * 1000:
+        broke.append(f"first audio p99 {p99} ms")
+    causes = []
+    places = min(settings.slots, settings.policy.max_batch)
+    if level["peak_slots"] >= places:
+        causes.append(
+            f"every batch place was taken at its peak ({level['peak_slots']} rows: --max-batch "
+            f"{settings.policy.max_batch}, {settings.slots} KV slots), look-ahead rows included, "
+            f"while {level['rows_per_quantum']} rows stepped per quantum on average: "
+            "newcomers waited for a place"
         )
     device_ms = sum(level["device_ms_per_quantum"].values())
-    side = "device" if device_ms >= level["host_ms_per_quantum"] else "host"
-    reasons.append(
-        f"{side} time sets the quantum's pace: device {device_ms:.1f} ms, host "
-        f"{level['host_ms_per_quantum']:.1f} ms per quantum (busy shares {level['device_busy']} "
-        f"and {level['host_busy']}); a row runs at {level['row_rtf']} of real time"
+    side = "the device" if device_ms >= level["host_ms_per_quantum"] else "the host"
+    causes.append(
+        f"{side} sets a quantum's pace: device {device_ms:.1f} ms, host {level['host_ms_per_quantum']:.1f} "
+        f"ms a quantum, so a newcomer's first 8 tokens (2 quanta, read one quantum later) take longer; "
+        f"rows still run at {level['row_rtf']} of real time"
     )
-    return "; ".join(reasons)
+    return f"{', '.join(broke) or 'nothing'}; because " + "; ".join(causes)
 
 
 def bisect(
-    passed: int, failed: int | None, args: argparse.Namespace, texts: list[Any], settings: SimSettings, log: Any
+    passed: int,
+    failed: int | None,
+    args: argparse.Namespace,
+    texts: list[Any],
+    settings: SimSettings,
+    log: Any,
 ) -> dict[str, Any]:
     """The most Poisson listeners that pass, between a passing and a failing level (or the ceiling)."""
     probes: list[dict[str, Any]] = []
@@ -138,6 +159,24 @@ def bisect(
         "limit": limit_of(hi_level, settings) if hi_level is not None else "not reached below the ceiling",
         "probes": probes,
     }
+
+
+def what_if(
+    passed: int, args: argparse.Namespace, texts: list[Any], settings: SimSettings, log: Any
+) -> list[dict[str, Any]]:
+    """The search again with one thing changed, to show what the batch places cost."""
+    policy = settings.policy
+    variants = {
+        "look-ahead off (--segment-lookahead 0)": replace(settings, policy=replace(policy, lookahead=0)),
+        "batch places unbounded (4096 KV slots and --max-batch)": replace(
+            settings, slots=4096, policy=replace(policy, max_batch=4096)
+        ),
+    }
+    out = []
+    for name, variant in variants.items():
+        found = bisect(passed, None, args, texts, variant, log)
+        out.append({"change": name, **{k: found[k] for k in ("most_streams", "first_failing", "limit")}})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             search = bisect(lo, hi, args, texts, settings, log)
             if hi is not None and search["first_failing"] == hi and not search["probes"]:
                 search["limit"] = limit_of(next(lv for lv in poisson if lv["streams"] == hi), settings)
+            if not args.no_what_if:
+                search["what_if"] = what_if(search["most_streams"], args, texts, settings, log)
     results = {
         "command": "python -m bench.gpu_sim " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": model.__dict__,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -277,6 +277,8 @@ class QuantumEngine:
         self._rows: dict[int, _Row] = {}
         self._inflight: _Quantum | None = None
         self._device_free = 0.0
+        #: Called after every wait for the device: the simulation delivers the commands that came meanwhile.
+        self.on_wait: Callable[[], None] = lambda: None
         self._info = EngineInfo(name="gpu-sim", samples_per_token=SAMPLES_PER_TOKEN)
 
     @property
@@ -326,6 +328,7 @@ class QuantumEngine:
         if read is None:
             return []
         self.clock.wait_until(read.end_s)
+        self.on_wait()
         self.clock.charge(self.model.read_s)
         self.log.host_reads += 1
         return self._results(read)

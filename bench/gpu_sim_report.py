@@ -7,7 +7,11 @@ from typing import Any
 MODEL_ROWS = (
     ("step_base_s", "token step, fixed", "H200 captured step at batch 1: 2.26 ms"),
     ("step_row_s", "token step, per row", "H200: +8.0 µs a row at 256 positions; H100 bandwidth 0.70×"),
-    ("step_position_s", "token step, per attended position of a row", "60 KiB of KV a position, read per step"),
+    (
+        "step_position_s",
+        "token step, per attended position of a row",
+        "60 KiB of KV a position, read per step",
+    ),
     ("decode_base_s", "captured Decoder + Vocos call, fixed", "eager 7.6 ms at 1 row, launch-bound"),
     ("decode_row_s", "captured Decoder + Vocos call, per due row", "H200 eager: 0.094 ms a row"),
     ("prefill_base_s", "batched captured prefill, fixed", "a token step's launch cost"),
@@ -29,13 +33,15 @@ def _fmt(value: Any) -> str:
 def _level_row(lv: dict[str, Any]) -> str:
     dev = lv["device_ms_per_quantum"]
     ttfa = lv["ttfa_ms"]
+    under = lv["listeners"]
+    verdict = "pass" if lv["passed"] else "**fail**"
     return (
         f"| {lv['streams']} | {lv['arrival']} | {lv['requests']} ({lv['counted']}) | {lv['refused']} | "
         f"{ttfa['p50']} / {ttfa['p99']} / {ttfa['max']} | "
-        f"{lv['listeners']['300']['streams_with_underruns']} / {lv['listeners']['100']['streams_with_underruns']} | "
+        f"{under['300']['streams_with_underruns']} / {under['100']['streams_with_underruns']} | "
         f"{lv['quanta_per_s']} | {lv['rows_per_quantum']} ({lv['frozen_rows_per_quantum']}) | "
         f"{dev['step']} + {dev['decode']} + {dev['prefill']} | {lv['host_ms_per_quantum']} | "
-        f"{lv['row_rtf']} | {lv['peak_slots']} | {lv['audio_s_per_s']} | {'pass' if lv['passed'] else '**fail**'} |"
+        f"{lv['row_rtf']} | {lv['peak_slots']} | {lv['audio_s_per_s']} | {verdict} |"
     )
 
 
@@ -122,7 +128,19 @@ def render(results: dict[str, Any]) -> str:
         ]
         if search["probes"]:
             lines += [LEVEL_HEADER] + [_level_row(lv) for lv in search["probes"]]
-    lines += ["", "## Notes", ""] + notes(results)
+    if search and search.get("what_if"):
+        lines += [
+            "",
+            "### The same search with one thing changed",
+            "",
+            "| change | most listeners | first failing | why |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {w['change']} | {w['most_streams']} | {w['first_failing']} | {w['limit']} |"
+            for w in search["what_if"]
+        ]
+    lines += ["", "## Notes", "", *notes(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +168,7 @@ def notes(results: dict[str, Any]) -> list[str]:
     out.append(
         f"- Every live row made K tokens in every quantum it ran ({short} short rows): no command cut a "
         "quantum. Host reads per quantum: "
-        + ", ".join(sorted({str(lv['host_reads_per_quantum']) for lv in levels}))
+        + ", ".join(sorted({str(lv["host_reads_per_quantum"]) for lv in levels}))
         + " (under overlap the run's last quantum, whose rows had all ended, is never read)."
     )
     host = max(levels, key=lambda lv: lv["host_ms_per_quantum"]) if levels else None

@@ -158,7 +158,7 @@ class _Hand:
                 self.capacity = event
 
     def submit(self, core: EngineCore, spec: StreamSpec) -> None:
-        """A listener's request through the engine client's admission rule (on the event loop: not charged)."""
+        """A listener's request through the engine client's admission rule (the event loop's: not charged)."""
         log = self.logs[spec.stream_id]
         pending = self.adds_sent - self.capacity.adds_taken
         if refusal(self.capacity.admission, self.config, pending) is not None:
@@ -182,21 +182,31 @@ def run_level(n: int, arrival: str, texts: Sequence[BenchText], settings: SimSet
     core = EngineCore(
         lambda: engine, settings.policy, emit=hand.emit, metrics=Metrics(), warmup=False, clock=clock.now
     )
-    core.engine = engine  # what ``run`` does once loaded; the engine has no ``interrupt``: nothing cuts a quantum
+    # What ``run`` does once the engine is loaded. The engine has no ``interrupt``, so no
+    # waiting command cuts a quantum short.
+    core.engine = engine
     cpu0 = time.process_time()
     limit = (specs[-1].arrive_s if specs else 0.0) + DRAIN_LIMIT_S
     index = 0
-    cut = False
-    while True:
+
+    def arrive() -> None:
+        """Requests that came by now reach the core's intake (also while a quantum runs)."""
+        nonlocal index
         with clock.uncharged():
             now = clock.now()
             while index < len(specs) and specs[index].arrive_s <= now:
                 hand.submit(core, specs[index])
                 index += 1
+
+    engine.on_wait = arrive
+    cut = False
+    while True:
+        arrive()
+        with clock.uncharged():
             hand.drain()
             if index == len(specs) and hand.open == 0:
                 break
-            if now > limit:
+            if clock.now() > limit:
                 cut = True
                 break
         # One round of the inference thread's loop, exactly as ``EngineCore.run`` calls it; a
@@ -301,7 +311,8 @@ def summarize(
 def mean_stream_s_of(logs: list[StreamLog]) -> float:
     """Mean audio length of the level's streams (a Poisson level's ramp)."""
     lengths = [
-        sum(segment_tokens(seg, log.spec.seed, i)[0] for i, seg in enumerate(log.spec.segments)) / TOKENS_PER_S
+        sum(segment_tokens(seg, log.spec.seed, i)[0] for i, seg in enumerate(log.spec.segments))
+        / TOKENS_PER_S
         for log in logs
     ]
     return float(np.mean(lengths)) if lengths else 0.0
