@@ -25,9 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_sim_model import BLOCK_SCHEDULE, CostModel
+from bench.gpu_sim_model import CostModel
 from bench.gpu_sim_report import render
 from bench.gpu_sim_run import TTFA_P99_LIMIT_S, SimSettings, dump, mean_stream_s, run_level
+from bench.machine import describe_machine
 from bench.textset import DEFAULT_TEXTS, load_texts
 from server.core.policy import PolicyConfig
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantum", type=int, default=4, help="tokens every row advances per quantum (K)")
     p.add_argument("--no-overlap", action="store_true", help="read each quantum before launching the next")
     p.add_argument("--host-scale", type=float, default=1.0, help="multiply the measured host CPU time")
+    p.add_argument("--block-schedule", default="8,16,20,20,24,24,28,32", help="the server's --block-schedule")
     p.add_argument("--slot-positions", type=int, default=SLOT_POSITIONS, help="positions of one KV slot")
     p.add_argument("--max-batch", type=int, help="the policy's batch limit (default: the KV slots that fit)")
     p.add_argument("--max-queue", type=int, default=256, help="the server's --max-queue")
@@ -87,6 +89,7 @@ def settings_of(args: argparse.Namespace, model: CostModel) -> SimSettings:
         slots=slots,
         duration_s=args.duration_s,
         seed=args.seed,
+        schedule=tuple(int(x) for x in args.block_schedule.split(",")),
     )
 
 
@@ -171,6 +174,9 @@ def what_if(
         "batch places unbounded (4096 KV slots and --max-batch)": replace(
             settings, slots=4096, policy=replace(policy, max_batch=4096)
         ),
+        "a first block of 4 tokens (--block-schedule 4,12,20,20,24,24,28,32)": replace(
+            settings, schedule=(4, 12, 20, 20, 24, 24, 28, 32)
+        ),
     }
     out = []
     for name, variant in variants.items():
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "quantum_tokens": settings.quantum,
             "overlap": settings.overlap,
             "host_scale": settings.host_scale,
-            "block_schedule": list(BLOCK_SCHEDULE),
+            "block_schedule": list(settings.schedule),
             "slot_positions": args.slot_positions,
             "kv_slots": settings.slots,
             "policy": settings.policy.__dict__,
@@ -236,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "levels": levels,
         "search": search,
         "sim_wall_s": round(time.monotonic() - started, 1),
+        "machine": describe_machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(dump(results))

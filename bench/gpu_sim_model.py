@@ -263,11 +263,22 @@ class QuantumEngine:
         quantum: tokens every row advances per quantum (K).
         overlap: launch quantum n+1 before reading quantum n.
         slots: KV slots (rows prefilled at once); more raise ``EngineOutOfMemory``.
+        schedule: the block schedule whose cumulative targets are a row's decodes (multiples of K).
     """
 
     def __init__(
-        self, clock: VirtualClock, model: CostModel, *, quantum: int = 4, overlap: bool = True, slots: int
+        self,
+        clock: VirtualClock,
+        model: CostModel,
+        *,
+        quantum: int = 4,
+        overlap: bool = True,
+        slots: int,
+        schedule: tuple[int, ...] = BLOCK_SCHEDULE,
     ) -> None:
+        if any(size % quantum for size in schedule):
+            raise ValueError(f"every block of {schedule} must be a multiple of the quantum {quantum}")
+        self.schedule = schedule
         self.clock = clock
         self.model = model
         self.quantum = quantum
@@ -294,7 +305,8 @@ class QuantumEngine:
         """Register a sequence; it is prefilled with the next quantum it takes part in."""
         seed = request.params.seed
         tokens, prompt = segment_tokens(request.text, seed, request.seed_offset)
-        self._rows[request.seq_id] = _Row(request.seq_id, tokens, prompt, request.max_tokens)
+        row = _Row(request.seq_id, tokens, prompt, request.max_tokens, targets=decode_targets(self.schedule))
+        self._rows[request.seq_id] = row
 
     def drop(self, seq_id: int) -> None:
         """Forget a sequence (its slot frees at once; an in-flight quantum's result for it is ignored)."""

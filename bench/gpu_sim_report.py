@@ -58,10 +58,13 @@ def render(results: dict[str, Any]) -> str:
     design = results["design"]
     model = results["model"]
     policy = design["policy"]
+    machine = results["machine"]
     lines = [
         "# python -m bench.gpu_sim: the server's scheduler on a simulated H100",
         "",
-        f"Command: `{results['command']}` ({results['sim_wall_s']} s of wall time here).",
+        f"Command: `{results['command']}` ({results['sim_wall_s']} s of wall time here). Host time "
+        f"measured on: {machine['cpu_model']} ({machine['cpu_affinity']} cores, shared), Python "
+        f"{machine['versions']['python']}, commit {machine['git_commit']}.",
         "",
         "**A model, not a measurement.** The real `EngineCore` and `SchedulingPolicy` (server/core) ran "
         "on a virtual clock over an engine that charges the cost model below for the device; every "
@@ -171,7 +174,8 @@ def notes(results: dict[str, Any]) -> list[str]:
         + ", ".join(sorted({str(lv["host_reads_per_quantum"]) for lv in levels}))
         + " (under overlap the run's last quantum, whose rows had all ended, is never read)."
     )
-    host = max(levels, key=lambda lv: lv["host_ms_per_quantum"]) if levels else None
+    probes = (results.get("search") or {}).get("probes", [])
+    host = max([*levels, *probes], key=lambda lv: lv["host_ms_per_quantum"]) if levels else None
     if host:
         dev = sum(host["device_ms_per_quantum"].values())
         out.append(

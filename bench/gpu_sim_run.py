@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.gpu_sim_model import TOKENS_PER_S, CostModel, QuantumEngine, VirtualClock, segment_tokens
+from bench.gpu_sim_model import (
+    BLOCK_SCHEDULE,
+    TOKENS_PER_S,
+    CostModel,
+    QuantumEngine,
+    VirtualClock,
+    segment_tokens,
+)
 from bench.listener import simulate
 from bench.stats import distribution
 from bench.textset import BenchText
@@ -75,6 +82,7 @@ class SimSettings:
     slots: int = 392
     duration_s: float = 40.0
     seed: int = 43
+    schedule: tuple[int, ...] = BLOCK_SCHEDULE
 
 
 def segments_of(text: str, max_chars: int = 120) -> tuple[str, ...]:
@@ -175,7 +183,12 @@ def run_level(n: int, arrival: str, texts: Sequence[BenchText], settings: SimSet
     specs = make_streams(n, arrival, texts, duration_s=settings.duration_s, seed=settings.seed)
     clock = VirtualClock(settings.host_scale)
     engine = QuantumEngine(
-        clock, settings.model, quantum=settings.quantum, overlap=settings.overlap, slots=settings.slots
+        clock,
+        settings.model,
+        quantum=settings.quantum,
+        overlap=settings.overlap,
+        slots=settings.slots,
+        schedule=settings.schedule,
     )
     logs = {spec.stream_id: StreamLog(spec) for spec in specs}
     hand = _Hand(clock, settings.policy, logs)
