@@ -116,10 +116,12 @@ def limit_of(level: dict[str, Any], settings: SimSettings) -> str:
             "newcomers waited for a place"
         )
     device_ms = sum(level["device_ms_per_quantum"].values())
+    first = settings.schedule[0]
     side = "the device" if device_ms >= level["host_ms_per_quantum"] else "the host"
     causes.append(
         f"{side} sets a quantum's pace: device {device_ms:.1f} ms, host {level['host_ms_per_quantum']:.1f} "
-        f"ms a quantum, so a newcomer's first 8 tokens (2 quanta, read one quantum later) take longer; "
+        f"ms a quantum, so a newcomer's first {first} tokens ({first // settings.quantum} quanta, read one "
+        "quantum later) take longer; "
         f"rows still run at {level['row_rtf']} of real time"
     )
     return f"{', '.join(broke) or 'nothing'}; because " + "; ".join(causes)
