@@ -120,8 +120,8 @@ def limit_of(level: dict[str, Any], settings: SimSettings) -> str:
     side = "the device" if device_ms >= level["host_ms_per_quantum"] else "the host"
     causes.append(
         f"{side} sets a quantum's pace: device {device_ms:.1f} ms, host {level['host_ms_per_quantum']:.1f} "
-        f"ms a quantum, so a newcomer's first {first} tokens ({first // settings.quantum} quanta, read one "
-        "quantum later) take longer; "
+        f"ms a quantum, so a newcomer's first {first} tokens ({first // settings.quantum} quanta at K = "
+        f"{settings.quantum}, read one quantum later) take longer; "
         f"rows still run at {level['row_rtf']} of real time"
     )
     return f"{', '.join(broke) or 'nothing'}; because " + "; ".join(causes)
@@ -183,7 +183,7 @@ def what_if(
     out = []
     for name, variant in variants.items():
         found = bisect(passed, None, args, texts, variant, log)
-        out.append({"change": name, **{k: found[k] for k in ("most_streams", "first_failing", "limit")}})
+        out.append({"change": name, **found})
     return out
 
 

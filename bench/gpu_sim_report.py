@@ -143,6 +143,8 @@ def render(results: dict[str, Any]) -> str:
             f"| {w['change']} | {w['most_streams']} | {w['first_failing']} | {w['limit']} |"
             for w in search["what_if"]
         ]
+        for w in search["what_if"]:
+            lines += ["", f"{w['change']}:", "", LEVEL_HEADER, *(_level_row(lv) for lv in w["probes"])]
     lines += ["", "## Notes", "", *notes(results)]
     return "\n".join(lines) + "\n"
 
