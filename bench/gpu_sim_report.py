@@ -186,6 +186,11 @@ def notes(results: dict[str, Any]) -> list[str]:
             "overlap a quantum's pace is the larger of the two."
         )
     out.append(
+        "- The search's answer is good to about ±5 %: near the limit first audio p99 is within a few ms "
+        "of 150, each level draws its own arrivals, and the host's measured time varies a little from run "
+        "to run, so two runs may place the last passing level a bisection step or two apart."
+    )
+    out.append(
         "- Not modelled: the event loop's own work (encoding, sockets) on its own thread and its share of "
         "the GIL, refinement (`refine: true`), voices from recordings, the decode running on its own "
         "stream beside the step (here it runs after it: conservative), and graph-bucket misses."
