@@ -176,6 +176,7 @@ def what_if(
         "batch places unbounded (4096 KV slots and --max-batch)": replace(
             settings, slots=4096, policy=replace(policy, max_batch=4096)
         ),
+        "overlap off (each quantum read before the next is launched)": replace(settings, overlap=False),
         "a first block of 4 tokens (--block-schedule 4,12,20,20,24,24,28,32)": replace(
             settings, schedule=(4, 12, 20, 20, 24, 24, 28, 32)
         ),

@@ -53,6 +53,7 @@ def test_the_command_writes_its_report_on_a_small_configuration(tmp_path: Path) 
     assert [w["change"].split(" (")[0] for w in search["what_if"]] == [
         "look-ahead off",
         "batch places unbounded",
+        "overlap off",
         "a first block of 4 tokens",
     ]
     report = out.with_suffix(".md").read_text()
