@@ -1,0 +1,182 @@
+"""The transport side of the guards every front end goes through (issue 42: 3, 4, 6, 8), real sockets.
+
+- Read backpressure: a peer that floods pings (or requests) and never reads what they answer
+  is not read any more once the server's writes to it are paused, so what the server buffers
+  for it stays bounded and the flood waits in the sender's socket; a normal client meanwhile
+  gets its audio.
+- Body deadline: every REST body (OpenAI's, ElevenLabs') is read by one reader, bounded in
+  size and in time (``--body-timeout-s``, then 408).
+- HTTP/1.0: a streamed response has no chunked encoding; the body ends with the connection.
+- A forwarded-resume proof (``X-Chattts-Forwarded``) that is not one is simply not a proof.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from server.app import App
+from tests.integration.conftest import MakeApp, wait_until
+from tests.wsclient import collect, open_client, start
+
+#: Longer than any deadline these tests set: an answer later than this did not come.
+WAIT_S = 30.0
+#: A flood, in bytes of ping frames (each 131 bytes on the wire, masked, answered by a 127-byte pong).
+FLOOD_BYTES = 64 * 1024 * 1024
+#: What the server may buffer for the flooding peer: its write buffer's high-water mark plus
+#: the pongs of one read (uvloop reads at most 256 KiB at a time), with room to spare.
+MAX_BUFFERED = 1024 * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (the server runs in it)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@asynccontextmanager
+async def raw_socket(port: int, *, rcvbuf: int = 4096) -> AsyncIterator[socket.socket]:
+    """A non-blocking TCP socket to ``port`` with a small receive buffer (it never reads)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        yield sock
+    finally:
+        sock.close()
+
+
+async def upgrade(sock: socket.socket, path: str = "/v1/stream") -> None:
+    """The WebSocket handshake on ``sock``; reads exactly the 101 response's head."""
+    loop = asyncio.get_running_loop()
+    key = base64.b64encode(os.urandom(16)).decode()
+    head = (
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    async with asyncio.timeout(WAIT_S):
+        await loop.sock_sendall(sock, head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            byte = await loop.sock_recv(sock, 1)  # a byte at a time: leave the frames after it unread
+            assert byte, f"closed during the handshake: {answer!r}"
+            answer += byte
+    assert answer.startswith(b"HTTP/1.1 101"), answer
+
+
+def pings(count: int) -> bytes:
+    """``count`` masked ping frames with 125-byte payloads (the most a control frame carries)."""
+    frame = b"\x89" + bytes([0x80 | 125]) + b"\x00\x00\x00\x00" + b"p" * 125  # a zero mask
+    return frame * count
+
+
+@dataclass(frozen=True)
+class Port:
+    """How to flood one front end with requests whose answers are never read."""
+
+    flags: tuple[str, ...]
+    port: Callable[[App], int | None]
+    path: str | None  # a WebSocket's path (flooded with pings), or None: the batch as it is
+    batch: bytes  # about 64 KiB of requests that each get an answer
+    transport: Callable[[App], list[Any]]  # the server's transports of the port's connections
+
+
+def _aiohttp_transports(app: App) -> list[Any]:
+    assert app.http is not None and app.http._runner is not None and app.http._runner.server is not None
+    return [handler.transport for handler in app.http._runner.server.connections]
+
+
+PORTS = {
+    "websocket": Port(
+        (),
+        lambda app: app.port,
+        "/v1/stream",
+        pings(512),
+        lambda app: [conn.ws.transport for conn in app.connections],
+    ),
+    "elevenlabs-websocket": Port(
+        (),
+        lambda app: app.http_port,
+        "/v1/text-to-speech/default/stream-input",
+        pings(512),
+        _aiohttp_transports,
+    ),
+    "http": Port(
+        (),
+        lambda app: app.http_port,
+        None,
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * 1800,
+        _aiohttp_transports,
+    ),
+    "wyoming": Port(
+        ("--wyoming-port", "-1"),
+        lambda app: app.wyoming_port,
+        None,
+        b'{"type": "describe"}\n' * 3000,
+        lambda app: [conn._writer.transport for conn in (app.wyoming._connections if app.wyoming else ())],
+    ),
+}
+
+
+async def flood(sock: socket.socket, batch: bytes, total: int) -> None:
+    """Send ``batch`` until ``total`` bytes are sent (or never: the server stopped reading)."""
+    loop = asyncio.get_running_loop()
+    sent = 0
+    while sent < total:
+        await loop.sock_sendall(sock, batch)
+        sent += len(batch)
+
+
+@pytest.mark.parametrize("name", list(PORTS))
+async def test_a_flood_whose_answers_are_never_read_is_pushed_back_on_its_sender(
+    make_app: MakeApp, name: str
+) -> None:
+    """Finding 3: once its answers are not read, the server stops reading the peer (every port)."""
+    port = PORTS[name]
+    app = await make_app(*port.flags)
+    number = port.port(app)
+    assert number is not None
+    before = rss_bytes()
+    async with raw_socket(number) as sock:
+        if port.path is not None:
+            await upgrade(sock, port.path)
+        await wait_until(lambda: len(port.transport(app)) == 1)
+        [server_side] = port.transport(app)
+        sender = asyncio.create_task(flood(sock, port.batch, FLOOD_BYTES))
+
+        def all_read() -> bool:
+            return sender.done() and sender.exception() is None
+
+        try:
+            # Either the server stops reading this peer, or it reads the whole flood.
+            await wait_until(lambda: sender.done() or not server_side.is_reading(), timeout=240)
+            assert not all_read(), f"the server read all {FLOOD_BYTES} bytes of a flood it did not answer"
+            buffered = server_side.get_write_buffer_size()
+            assert buffered < MAX_BUFFERED, (
+                f"{buffered} bytes of answers buffered for a peer that never reads"
+            )
+            assert rss_bytes() - before < 32 * 1024 * 1024
+            # The flooding peer costs the others nothing: a normal client gets its audio.
+            ws, _ = await open_client(app.port)
+            await start(ws, id="a", text="你好。Hello.", format="pcm16")
+            log = (await collect(ws, {"a"}))["a"]
+            await ws.close()
+            assert log.done is not None and log.done["reason"] == "complete" and log.payload
+            assert not all_read()  # still held back (or cut by a send deadline)
+        finally:
+            sender.cancel()
+            with suppress(asyncio.CancelledError, OSError):
+                await sender
