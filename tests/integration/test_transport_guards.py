@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -22,8 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from server.app import App
+from server.frontends.websocket.forward import FORWARD_HEADER
 from tests.integration.conftest import MakeApp, wait_until
 from tests.wsclient import collect, open_client, start
 
@@ -180,3 +185,35 @@ async def test_a_flood_whose_answers_are_never_read_is_pushed_back_on_its_sender
             sender.cancel()
             with suppress(asyncio.CancelledError, OSError):
                 await sender
+
+
+# --- a forwarded-resume proof that cannot be one (finding 8) ------------------------------------
+
+SECRET = "transport-guards-test-secret-0123456789"
+NOT_PROOFS = {
+    "5000 digits": [(FORWARD_HEADER, "9" * 5000 + ".AAAAAAAAAAAAAAAAAAAAAA")],
+    "5000 characters": [(FORWARD_HEADER, "1." + "A" * 5000)],
+    "a superscript digit": [(FORWARD_HEADER, "²." + "A" * 22)],
+    "twice": [(FORWARD_HEADER, "1.AAAAAAAAAAAAAAAAAAAAAA"), (FORWARD_HEADER, "2.AAAAAAAAAAAAAAAAAAAAAA")],
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_PROOFS))
+async def test_a_forwarded_proof_that_cannot_be_one_is_simply_no_proof(
+    make_app: MakeApp, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 8: no close 1011, no traceback; during a drain the handshake gets a clear 503."""
+    app = await make_app("--resume-secret", SECRET)
+    url = f"ws://127.0.0.1:{app.port}/v1/stream?resume=" + "t" * 200
+    headers = NOT_PROOFS[name]
+    async with asyncio.timeout(WAIT_S):
+        ws = await connect(url, additional_headers=headers)
+        hello = json.loads(await ws.recv())
+        await ws.close()
+    assert hello["type"] == "hello"
+    app.service.draining = True  # a drain: only another replica's forwarded resume may connect
+    with pytest.raises(InvalidStatus) as refused:
+        async with asyncio.timeout(WAIT_S):
+            await connect(url, additional_headers=headers)
+    assert refused.value.response.status_code == 503 and refused.value.response.body == b"draining\n"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
