@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
@@ -217,3 +218,119 @@ async def test_a_forwarded_proof_that_cannot_be_one_is_simply_no_proof(
             await connect(url, additional_headers=headers)
     assert refused.value.response.status_code == 503 and refused.value.response.body == b"draining\n"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# --- REST bodies: one reader with a deadline (finding 4) ----------------------------------------
+
+SLOW_ROUTES = {
+    "openai": ("/v1/audio/speech", "error"),
+    "elevenlabs": ("/v1/text-to-speech/default", "detail"),
+    "elevenlabs-stream": ("/v1/text-to-speech/default/stream", "detail"),
+}
+
+
+async def http_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """Everything the server sends until it closes: the status, the headers, the body as sent."""
+    async with asyncio.timeout(WAIT_S):
+        raw = await reader.read()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+async def trickle(writer: asyncio.StreamWriter) -> None:
+    """A byte of body every 0.1 s, until the server closes the connection."""
+    with suppress(ConnectionError):
+        while not writer.is_closing():
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("route", list(SLOW_ROUTES))
+async def test_a_trickled_body_is_cut_at_the_body_deadline_and_frees_the_port(
+    make_app: MakeApp, route: str
+) -> None:
+    """Finding 4: 12 bodies trickled a byte at a time fill a 12-connection port only until the deadline."""
+    app = await make_app("--body-timeout-s", "1", "--header-timeout-s", "60", "--max-connections", "12")
+    assert app.http_port is not None
+    path, shape = SLOW_ROUTES[route]
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
+    opened = [await asyncio.open_connection("127.0.0.1", app.http_port) for _ in range(12)]
+    trickles = []
+    try:
+        for _, writer in opened:
+            writer.write(head.encode())
+            trickles.append(asyncio.create_task(trickle(writer)))
+        for reader, _ in opened:
+            status, _, body = await http_response(reader)  # closed after the answer
+            answer = json.loads(body)
+            assert status == 408, answer
+            assert "--body-timeout-s" in answer[shape]["message"], answer
+        async with aiohttp.ClientSession() as session:  # the port is free again
+            async with session.get(f"http://127.0.0.1:{app.http_port}/v1/models") as response:
+                assert response.status == 200
+            speech = {"input": "Hello.", "response_format": "pcm"}
+            async with session.post(
+                f"http://127.0.0.1:{app.http_port}/v1/audio/speech", json=speech
+            ) as response:
+                assert response.status == 200 and await response.read()
+    finally:
+        for task in trickles:
+            task.cancel()
+        await asyncio.gather(*trickles, return_exceptions=True)
+        for _, writer in opened:
+            writer.close()
+
+
+# --- HTTP/1.0 (finding 6) ---------------------------------------------------------------------
+
+HTTP10_ROUTES = {
+    "openai": ("/v1/audio/speech", {"input": "你好。Hello there.", "response_format": "pcm", "seed": 3}),
+    "elevenlabs": (
+        "/v1/text-to-speech/default?output_format=pcm_24000",
+        {"text": "你好。Hello there.", "seed": 3},
+    ),
+    "elevenlabs-timestamps": (
+        "/v1/text-to-speech/default/stream/with-timestamps?output_format=pcm_24000",
+        {"text": "你好。Hello there.", "seed": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(HTTP10_ROUTES))
+async def test_an_http_1_0_request_reads_a_whole_body_delimited_by_the_connection(
+    make_app: MakeApp, route: str
+) -> None:
+    """Finding 6: HTTP/1.0 (nginx's upstream default) gets 200 and the whole body, no chunked encoding."""
+    app = await make_app("--cache-bytes", "0")
+    assert app.http_port is not None
+    path, body = HTTP10_ROUTES[route]
+    url = f"http://127.0.0.1:{app.http_port}{path}"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        assert response.status == 200 and response.headers["Transfer-Encoding"] == "chunked"
+        expected = await response.read()  # HTTP/1.1, dechunked: the reference
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.http_port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        status, headers, got = await http_response(reader)
+    finally:
+        writer.close()
+    assert status == 200, got[:300]
+    assert "transfer-encoding" not in headers and "content-length" not in headers, headers
+    assert headers["connection"] == "close"
+    assert got == expected and got
+    # A real HTTP/1.0 client reads the same.
+    async with (
+        aiohttp.ClientSession(version=aiohttp.HttpVersion10) as session,
+        session.post(url, json=body) as response,
+    ):
+        assert response.status == 200 and await response.read() == expected

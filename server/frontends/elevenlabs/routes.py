@@ -37,6 +37,7 @@ from server.frontends.elevenlabs.formats import (
 from server.frontends.elevenlabs.session import ElevenLabsSession, SocketOptions
 from server.frontends.elevenlabs.socket import ElevenLabsSocket
 from server.frontends.http.common import STATUS
+from server.frontends.http.transfer import BodyRefused, read_body, refused_response
 from server.metrics import Metrics
 from server.streams.service import SpeechService
 from server.streams.stream import Lease
@@ -131,11 +132,8 @@ class ElevenLabsApi:
             client = self._admit(request)
             self.service.check_accepting()
             voice, output = self._voice(request, client), self._output(request)
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                max_bytes = self.settings.max_message_bytes
-                raise ElevenLabsError(413, "bad_request", f"request body over {max_bytes} bytes") from None
+            s = self.settings
+            raw = await read_body(request, max_bytes=s.max_message_bytes, timeout_s=s.body_timeout_s)
             body = rest.parse_body(raw)
             stream = self.service.open(
                 rest.speech_request(body, voice, output, self._seed),
@@ -146,6 +144,9 @@ class ElevenLabsApi:
             )
         except AccessDenied as denied:
             return error_response(self._denied(denied), self.metrics)
+        except BodyRefused as refused:
+            error = ElevenLabsError(refused.status, refused.code, refused.message)
+            return refused_response(error_response(error, self.metrics))
         except ElevenLabsError as err:
             return error_response(err, self.metrics)
         except ServiceError as exc:
