@@ -13,7 +13,7 @@ the client sees why instead of a hung connect.
 servers); the WebSocket server, which builds its own protocol objects, uses
 :func:`refuse` from its connection class. Both hand the protocol inside a
 :class:`~server.frontends.flow.FlowTransport`, so an admitted connection is not read while
-its writes are paused (read backpressure). A refused connection lingers briefly, reading
+its answers pile up unsent (read backpressure). A refused connection lingers briefly, reading
 and dropping what the client sends, so that its request arriving after the refusal does not
 make the kernel reset the connection before the client read the answer.
 """
@@ -235,18 +235,18 @@ class GuardedProtocol(asyncio.Protocol):
         self._inner.connection_made(self._flow)
 
     def data_received(self, data: bytes) -> None:
-        """Pass on, or drop what a refused client sends."""
-        if self._refused is None:
+        """Pass on (then hold reading if the answers pile up unsent), or drop what a refused client sends."""
+        if self._flow is not None:
             self._inner.data_received(data)
+            self._flow.after_read()
 
     def eof_received(self) -> bool | None:
         """Pass on; a refused connection closes."""
         return None if self._refused is not None else self._inner.eof_received()
 
     def pause_writing(self) -> None:
-        """Stop reading until the writes drain, and pass on (the inner protocol's flow control)."""
+        """Pass on (the inner protocol's flow control)."""
         if self._flow is not None:
-            self._flow.writes_paused()
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:

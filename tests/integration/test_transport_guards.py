@@ -29,6 +29,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from server.app import App
+from server.frontends.flow import MAX_UNSENT_BYTES
 from server.frontends.websocket.forward import FORWARD_HEADER
 from tests.integration.conftest import MakeApp, wait_until
 from tests.wsclient import collect, open_client, start
@@ -37,9 +38,9 @@ from tests.wsclient import collect, open_client, start
 WAIT_S = 30.0
 #: A flood, in bytes of ping frames (each 131 bytes on the wire, masked, answered by a 127-byte pong).
 FLOOD_BYTES = 64 * 1024 * 1024
-#: What the server may buffer for the flooding peer: its write buffer's high-water mark plus
-#: the pongs of one read (uvloop reads at most 256 KiB at a time), with room to spare.
-MAX_BUFFERED = 1024 * 1024
+#: What the server may buffer for the flooding peer: the bound on unsent bytes past which it
+#: stops reading, plus the answers to one read (uvloop reads at most 256 KiB at a time).
+MAX_BUFFERED = MAX_UNSENT_BYTES + 512 * 1024
 
 
 def rss_bytes() -> int:
@@ -230,13 +231,23 @@ SLOW_ROUTES = {
 
 
 async def http_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """Everything the server sends until it closes: the status, the headers, the body as sent."""
+    """One response: the status, the headers, the body (to the end of the connection without a length)."""
     async with asyncio.timeout(WAIT_S):
-        raw = await reader.read()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:])}
+        if "content-length" in headers:
+            body = await reader.readexactly(int(headers["content-length"]))
+        else:
+            body = await reader.read()
+    return int(lines[0].split()[1]), headers, body
+
+
+async def closed(reader: asyncio.StreamReader) -> None:
+    """The server closes the connection (a reset counts: the client was still sending)."""
+    with suppress(ConnectionResetError):
+        async with asyncio.timeout(WAIT_S):
+            await reader.read()
 
 
 async def trickle(writer: asyncio.StreamWriter) -> None:
@@ -246,6 +257,23 @@ async def trickle(writer: asyncio.StreamWriter) -> None:
             writer.write(b" ")
             await writer.drain()
             await asyncio.sleep(0.1)
+
+
+async def slow_request(port: int, head: bytes) -> tuple[int, dict[str, Any]]:
+    """A request whose body trickles in a byte at a time until the answer comes; that answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        trickling = asyncio.create_task(trickle(writer))
+        try:
+            status, _, body = await http_response(reader)
+        finally:
+            trickling.cancel()
+            await asyncio.gather(trickling, return_exceptions=True)
+        await closed(reader)  # and the connection is closed after it
+        return status, json.loads(body)
+    finally:
+        writer.close()
 
 
 @pytest.mark.parametrize("route", list(SLOW_ROUTES))
@@ -259,31 +287,16 @@ async def test_a_trickled_body_is_cut_at_the_body_deadline_and_frees_the_port(
     head = (
         f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
     )
-    opened = [await asyncio.open_connection("127.0.0.1", app.http_port) for _ in range(12)]
-    trickles = []
-    try:
-        for _, writer in opened:
-            writer.write(head.encode())
-            trickles.append(asyncio.create_task(trickle(writer)))
-        for reader, _ in opened:
-            status, _, body = await http_response(reader)  # closed after the answer
-            answer = json.loads(body)
-            assert status == 408, answer
-            assert "--body-timeout-s" in answer[shape]["message"], answer
-        async with aiohttp.ClientSession() as session:  # the port is free again
-            async with session.get(f"http://127.0.0.1:{app.http_port}/v1/models") as response:
-                assert response.status == 200
-            speech = {"input": "Hello.", "response_format": "pcm"}
-            async with session.post(
-                f"http://127.0.0.1:{app.http_port}/v1/audio/speech", json=speech
-            ) as response:
-                assert response.status == 200 and await response.read()
-    finally:
-        for task in trickles:
-            task.cancel()
-        await asyncio.gather(*trickles, return_exceptions=True)
-        for _, writer in opened:
-            writer.close()
+    answers = await asyncio.gather(*(slow_request(app.http_port, head.encode()) for _ in range(12)))
+    for status, answer in answers:
+        assert status == 408, answer
+        assert "--body-timeout-s" in answer[shape]["message"], answer
+    async with aiohttp.ClientSession() as session:  # the port is free again
+        async with session.get(f"http://127.0.0.1:{app.http_port}/v1/models") as response:
+            assert response.status == 200
+        speech = {"input": "Hello.", "response_format": "pcm"}
+        async with session.post(f"http://127.0.0.1:{app.http_port}/v1/audio/speech", json=speech) as response:
+            assert response.status == 200 and await response.read()
 
 
 # --- HTTP/1.0 (finding 6) ---------------------------------------------------------------------

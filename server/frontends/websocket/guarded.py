@@ -8,9 +8,10 @@ port's cap reads an HTTP 503 and is closed, and never reaches the handshake. (Es
 WebSocket connections are also held to ``--max-connections`` by the handshake gate,
 :class:`~server.frontends.websocket.routes.Routes`.)
 
-An admitted connection is not read while its writes are paused: ``websockets`` answers every
-ping from ``data_received`` whatever its write buffer holds, so without this a peer that
-floods pings and never reads the pongs grows the server's memory by all it sends. The
+An admitted connection is not read while more than a bound waits unsent for it
+(:data:`~server.frontends.flow.MAX_UNSENT_BYTES`): ``websockets`` answers every ping from
+``data_received`` whatever its write buffer holds, so without this a peer that floods pings
+and never reads the pongs grows the server's memory by all it sends. The
 library's own read pausing (``max_queue``, through the transport it is given) composes with
 it in :class:`~server.frontends.flow.FlowTransport`.
 """
@@ -51,8 +52,9 @@ def guarded_connections(guard: PortGuard) -> type[ServerConnection]:
             super().connection_made(self._flow)
 
         def data_received(self, data: bytes) -> None:
-            if self._refused is None:
+            if self._flow is not None:
                 super().data_received(data)
+                self._flow.after_read()  # pongs pile up unsent: stop reading until they drain
 
         def eof_received(self) -> None:
             if self._refused is None:
@@ -60,7 +62,6 @@ def guarded_connections(guard: PortGuard) -> type[ServerConnection]:
 
         def pause_writing(self) -> None:
             if self._flow is not None:
-                self._flow.writes_paused()  # pongs and frames wait: stop reading until they drain
                 super().pause_writing()
 
         def resume_writing(self) -> None:
