@@ -1,9 +1,9 @@
 """The transport side of the guards every front end goes through (issue 42: 3, 4, 6, 8), real sockets.
 
 - Read backpressure: a peer that floods pings (or requests) and never reads what they answer
-  is not read any more once the server's writes to it are paused, so what the server buffers
-  for it stays bounded and the flood waits in the sender's socket; a normal client meanwhile
-  gets its audio.
+  is not read any more once more than ``MAX_UNSENT_BYTES`` wait unsent for it, so what the
+  server buffers for it stays bounded and the flood waits in the sender's socket; a normal
+  client meanwhile gets its audio.
 - Body deadline: every REST body (OpenAI's, ElevenLabs') is read by one reader, bounded in
   size and in time (``--body-timeout-s``, then 408).
 - HTTP/1.0: a streamed response has no chunked encoding; the body ends with the connection.
