@@ -11,7 +11,9 @@ the client sees why instead of a hung connect.
 
 :class:`GuardedProtocol` puts a guard in front of any asyncio protocol (the HTTP and Wyoming
 servers); the WebSocket server, which builds its own protocol objects, uses
-:func:`refuse` from its connection class. A refused connection lingers briefly, reading
+:func:`refuse` from its connection class. Both hand the protocol inside a
+:class:`~server.frontends.flow.FlowTransport`, so an admitted connection is not read while
+its answers pile up unsent (read backpressure). A refused connection lingers briefly, reading
 and dropping what the client sends, so that its request arriving after the refusal does not
 make the kernel reset the connection before the client read the answer.
 """
@@ -28,6 +30,7 @@ from typing import Final, Protocol, cast
 
 from server.config import Settings
 from server.frontends.access import client_identity
+from server.frontends.flow import FlowTransport
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +221,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._per_client = per_client
         self._client: str | None = None
         self._refused: Callable[[], None] | None = None
+        self._flow: FlowTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Admit the connection to ``inner``, or refuse it."""
@@ -226,12 +230,15 @@ class GuardedProtocol(asyncio.Protocol):
             self._refused = refuse(transport, self._answer(why), self._guard)
             return
         self._client = client
-        self._inner.connection_made(transport)
+        # The inner protocol's reading is held while writes are paused (read backpressure).
+        self._flow = FlowTransport(cast(asyncio.Transport, transport))
+        self._inner.connection_made(self._flow)
 
     def data_received(self, data: bytes) -> None:
-        """Pass on, or drop what a refused client sends."""
-        if self._refused is None:
+        """Pass on (then hold reading if the answers pile up unsent), or drop what a refused client sends."""
+        if self._flow is not None:
             self._inner.data_received(data)
+            self._flow.after_read()
 
     def eof_received(self) -> bool | None:
         """Pass on; a refused connection closes."""
@@ -239,12 +246,13 @@ class GuardedProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """Pass on (the inner protocol's flow control)."""
-        if self._refused is None:
+        if self._flow is not None:
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        """Pass on (the inner protocol's flow control)."""
-        if self._refused is None:
+        """Read again (unless the inner protocol holds reading) and pass on."""
+        if self._flow is not None:
+            self._flow.writes_resumed()
             self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:

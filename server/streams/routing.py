@@ -46,6 +46,12 @@ MAX_ADVERTISE_CHARS = 80
 #: How far a peer's proof of forwarding may lie in the past or future (clock skew), seconds.
 PEER_PROOF_WINDOW_S = 120
 _MAC_BYTES = 16
+#: A peer proof's stamp (whole seconds since the epoch) has at most this many digits; its MAC is
+#: the base64 of :data:`_MAC_BYTES` bytes. Anything longer is no proof, refused before any work.
+_STAMP_DIGITS = 12
+_PROOF_CHARS = _STAMP_DIGITS + 1 + 22
+#: The longest resume token (the resume message's ``stream`` field).
+MAX_TOKEN_CHARS = 256
 _DIGEST_BYTES = 8
 _ROUTE = re.compile(r"[0-9A-Za-z_-]{1,64}")
 _PART = re.compile(r"[0-9A-Za-z_-]+")
@@ -210,11 +216,21 @@ class Router:
         return _b64(hmac.new(self._key, message, hashlib.sha256).digest()[:_MAC_BYTES])
 
     def is_peer(self, proof: str | None, token: str | None, now: float) -> bool:
-        """Whether ``proof`` is a fresh :meth:`peer_proof` for ``token`` made with this key."""
-        if not proof or not token or not proof.isascii() or not token.isascii():
+        """Whether ``proof`` is a fresh :meth:`peer_proof` for ``token`` made with this key.
+
+        Bounded work whatever the client sent (during a drain this runs before any key is
+        checked): a proof or token longer than one can be, or a stamp that is not a short
+        decimal number, is simply not a proof.
+        """
+        if not proof or not token or len(proof) > _PROOF_CHARS or len(token) > MAX_TOKEN_CHARS:
+            return False
+        if not proof.isascii() or not token.isascii():
             return False
         stamp, _, mac = proof.partition(".")
-        if not stamp.isdigit() or abs(now - int(stamp)) > PEER_PROOF_WINDOW_S:
+        if (
+            not (stamp.isdigit() and len(stamp) <= _STAMP_DIGITS)
+            or abs(now - int(stamp)) > PEER_PROOF_WINDOW_S
+        ):
             return False
         return hmac.compare_digest(self._peer_mac(stamp, token).encode(), mac.encode())
 

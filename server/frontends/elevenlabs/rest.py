@@ -27,6 +27,7 @@ from server.frontends.codes import code_of
 from server.frontends.common import Seed, SendAborted, send_within
 from server.frontends.elevenlabs.alignment import rest_alignment
 from server.frontends.elevenlabs.formats import ElevenLabsError, OutputFormat, VoiceSettings, speed_of
+from server.frontends.http.transfer import streamed_response
 from server.frontends.messages import BadMessage
 from server.streams.items import Failure, Frame, OutItem, Words
 from server.streams.request import SpeechRequest
@@ -95,8 +96,7 @@ async def send_stream(
         ClientGone: the response could not be finished (the connection is dropped).
     """
     content_type = "application/json" if timestamps else output.content_type
-    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-store"})
-    response.enable_chunked_encoding()
+    response = streamed_response(request, content_type)
 
     async def write(data: bytes) -> None:
         if not response.prepared:

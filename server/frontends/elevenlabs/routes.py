@@ -37,6 +37,7 @@ from server.frontends.elevenlabs.formats import (
 from server.frontends.elevenlabs.session import ElevenLabsSession, SocketOptions
 from server.frontends.elevenlabs.socket import ElevenLabsSocket
 from server.frontends.http.common import STATUS
+from server.frontends.http.transfer import BodyRefused, read_body, refused_response
 from server.frontends.messages import BadMessage, InvalidBudget, query_int
 from server.metrics import Metrics
 from server.streams.service import SpeechService
@@ -132,12 +133,9 @@ class ElevenLabsApi:
             client = self._admit(request)
             self.service.check_accepting()
             voice, output = self._voice(request, client), self._output(request)
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                max_bytes = self.settings.max_message_bytes
-                raise ElevenLabsError(413, "bad_request", f"request body over {max_bytes} bytes") from None
-            body = rest.parse_body(raw, max_depth=self.settings.max_json_depth)
+            s = self.settings
+            raw = await read_body(request, max_bytes=s.max_message_bytes, timeout_s=s.body_timeout_s)
+            body = rest.parse_body(raw, max_depth=s.max_json_depth)
             stream = self.service.open(
                 rest.speech_request(body, voice, output, self._seed),
                 lease,
@@ -147,6 +145,9 @@ class ElevenLabsApi:
             )
         except AccessDenied as denied:
             return error_response(self._denied(denied), self.metrics)
+        except BodyRefused as refused:
+            error = ElevenLabsError(refused.status, refused.code, refused.message)
+            return refused_response(error_response(error, self.metrics))
         except ElevenLabsError as err:
             return error_response(err, self.metrics)
         except ServiceError as exc:

@@ -47,13 +47,14 @@ from server.frontends.elevenlabs.routes import ElevenLabsApi
 from server.frontends.http.accesslog import SERVER_LOG, RedactedAccessLogger
 from server.frontends.http.common import (
     CLIENT,
+    body_refused,
     counted_error,
     error_response,
     refusal,
     service_error,
-    timed_out,
 )
 from server.frontends.http.cors import Cors
+from server.frontends.http.transfer import BodyRefused, read_body, streamed_response
 from server.frontends.http.voices import VoicesApi
 from server.frontends.messages import BadMessage
 from server.frontends.ports import GuardedProtocol, PortGuard
@@ -275,19 +276,15 @@ class HttpApi:
         lease = Lease(lambda reason: self._abort(request, reason))
         try:
             self.service.check_accepting()
-            try:
-                async with asyncio.timeout(self.settings.body_timeout_s):
-                    raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                message = f"request body over {self.settings.max_message_bytes} bytes"
-                return counted_error(self.metrics, 413, "bad_request", message)
-            except TimeoutError:
-                return timed_out(self.metrics, "body", self.settings.body_timeout_s)
+            s = self.settings
+            raw = await read_body(request, max_bytes=s.max_message_bytes, timeout_s=s.body_timeout_s)
             body, fmt = _parse(raw, self.settings.max_json_depth)
             client = request[CLIENT]
             stream = self.service.open(
                 _request_of(body, fmt), lease, resumable=False, client=client, owner=tenant_of(client)
             )
+        except BodyRefused as refused:
+            return body_refused(self.metrics, refused)
         except BodyError as err:
             return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
         except ServiceError as exc:
@@ -309,8 +306,7 @@ class HttpApi:
         JSON error; one that fails later is cut off (the chunked body never ends cleanly).
         """
         outbox = stream.outbox
-        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-store"})
-        response.enable_chunked_encoding()
+        response = streamed_response(request, content_type)
 
         try:
             async with aclosing(stream.deliver(lease, outbox.sent_index)) as runs:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from server.errors import ServiceError
 from server.frontends.codes import code_of
+from server.frontends.http.transfer import BodyRefused, refused_response
 from server.metrics import Metrics
 
 #: The client's rate-limit identity, set by the access gate.
@@ -72,9 +73,6 @@ def refusal(code: str, message: str) -> bytes:
     return (head + body).encode()
 
 
-def timed_out(metrics: Metrics, what: str, timeout_s: float) -> web.Response:
-    """408 ``timeout``: the request's body did not arrive in time; the connection closes after it."""
-    message = f"the request {what} did not arrive within {timeout_s:g} s (--body-timeout-s)"
-    response = counted_error(metrics, 408, "timeout", message)
-    response.force_close()
-    return response
+def body_refused(metrics: Metrics, refused: BodyRefused) -> web.Response:
+    """A body that was not read (408 ``timeout``, 413), in OpenAI's shape; the connection closes after it."""
+    return refused_response(counted_error(metrics, refused.status, refused.code, refused.message))

@@ -13,7 +13,6 @@ speech; decoding runs in a worker thread, the codes on the inference thread
 
 from __future__ import annotations
 
-import asyncio
 import binascii
 from typing import Final
 
@@ -22,7 +21,8 @@ from aiohttp import BodyPartReader, web
 from server.config import Settings
 from server.errors import InvalidRequest, ServiceError
 from server.frontends.access import tenant_of
-from server.frontends.http.common import CLIENT, counted_error, service_error, timed_out
+from server.frontends.http.common import CLIENT, body_refused, counted_error, service_error
+from server.frontends.http.transfer import BodyRefused, body_deadline
 from server.metrics import Metrics
 from server.streams.service import SpeechService
 from server.voices.library import MAX_NAME_CHARS
@@ -66,7 +66,7 @@ class VoicesApi:
             self.service.admit(request[CLIENT])
             if request.content_length is not None and request.content_length > limit + MAX_TEXT_BYTES:
                 raise _TooLarge
-            async with asyncio.timeout(self.settings.body_timeout_s):
+            async with body_deadline(self.settings.body_timeout_s):
                 fields, audio = await _read_form(request, limit)
             if fields.get("type", "audio_sample") != "audio_sample":
                 message = "only voices from a recording (type audio_sample) can be made here"
@@ -92,8 +92,8 @@ class VoicesApi:
         except _TooLarge:
             message = f"the upload is over {limit} bytes (--voice-upload-max-bytes)"
             return counted_error(self.metrics, 413, "bad_request", message, param="audio_sample")
-        except TimeoutError:
-            return timed_out(self.metrics, "body", self.settings.body_timeout_s)
+        except BodyRefused as refused:
+            return body_refused(self.metrics, refused)
         except _BadPart as exc:
             return service_error(exc, self.metrics, param=exc.part)
         except InvalidRequest as exc:

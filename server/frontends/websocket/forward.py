@@ -60,11 +60,21 @@ Sender = Callable[[str | bytes], Awaitable[None]]
 
 
 def is_forwarded(router: Router | None, path: str, headers: Mapping[str, str]) -> bool:
-    """Whether a handshake comes from another replica (a fresh proof for its ``?resume=`` token)."""
+    """Whether a handshake comes from another replica (a fresh proof for its ``?resume=`` token).
+
+    A handshake without the header costs nothing more; a repeated header is no proof (the
+    ``websockets`` headers raise on ``get`` of a repeated name).
+    """
     if router is None:
         return False
+    try:
+        proof = headers.get(FORWARD_HEADER)
+    except LookupError:
+        return False
+    if proof is None:
+        return False
     token = parse_qs(urlsplit(path).query).get("resume", [None])[0]
-    return router.is_peer(headers.get(FORWARD_HEADER), token, time.time())
+    return router.is_peer(proof, token, time.time())
 
 
 def upstream_request(
