@@ -83,6 +83,7 @@ def server_flags(args: argparse.Namespace, keys_file: Path, http_port: int, wyom
     flags += ["--voices-dir", str(keys_file.parent / "voices")]
     flags += ["--memory-budget-bytes", str(args.budget_mib * 1024 * 1024), "--cache-bytes", "0"]
     flags += ["--resume-ttl-s", "5", "--drain-timeout-s", str(args.drain_timeout_s), "--max-queue", "64"]
+    flags += ["--body-timeout-s", "5"]  # el_rest_slow's bodies take a minute
     flags += ["--log-level", "info"]
     return flags + shlex.split(args.server_flags)
 

@@ -20,6 +20,8 @@ from bench.chaos_target import DEEP, LONG, REPLY_S, Tally, Target, quietly_close
 #: ElevenLabs' multi-context WebSocket and REST route, with our default voice.
 EL_SOCKET = "/v1/text-to-speech/default/multi-stream-input?output_format=pcm_24000"
 EL_REST = "/v1/text-to-speech/default/stream?output_format=pcm_24000"
+#: An answer the ElevenLabs context can take in one message (under --max-pending-chars).
+ANSWER = "This is a long answer that its client will cut off in the middle. " * 12
 #: What a client that never reads sends at most before the server must have stopped reading.
 FLOOD_BYTES = 16 * 1024 * 1024
 #: A write that has not drained in this long: the server stopped reading.
@@ -37,7 +39,7 @@ async def el_interrupt(t: Target, deadline: float, tally: Tally) -> None:
         while until(deadline):
             try:
                 async with session.ws_connect(el_url(t, EL_SOCKET), headers={"xi-api-key": t.key}) as ws:
-                    await ws.send_str(json.dumps({"text": LONG, "context_id": "c", "flush": True}))
+                    await ws.send_str(json.dumps({"text": ANSWER, "context_id": "c", "flush": True}))
                     async with asyncio.timeout(REPLY_S):
                         while not json.loads((await ws.receive()).data).get("audio"):
                             pass
@@ -132,8 +134,11 @@ async def http10(t: Target, deadline: float, tally: Tally) -> None:
 
 
 async def el_rest_slow(t: Target, deadline: float, tally: Tally) -> None:
-    """4: ElevenLabs REST bodies at 1 byte per second: cut by the server (408 or closed)."""
-    body = json.dumps({"text": "Slowly."}).encode()
+    """4: ElevenLabs REST bodies at 1 byte per second: cut by the server (408 or closed).
+
+    The body takes a minute to send; the chaos server's ``--body-timeout-s`` is 5 s.
+    """
+    body = json.dumps({"text": "Slowly, a byte at a time, for a whole minute of waiting."}).encode()
     head = (
         f"POST {EL_REST} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nxi-api-key: {t.key}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"

@@ -235,6 +235,22 @@ async def test_bad_messages_are_answered_and_the_socket_stays(
     assert audio_of(got)
 
 
+async def test_a_context_whose_first_text_is_refused_still_ends_with_its_final(
+    app: App, session: aiohttp.ClientSession
+) -> None:
+    # More than --max-pending-chars (1000) without a sentence end, in the message that opens the
+    # context: refused, but the context was opened, so its isFinal must follow (its pump was lost
+    # with the refusal, and the client waited for ever on a stream nobody sent).
+    url = base(app).replace("http", "ws") + "/default/multi-stream-input"
+    async with session.ws_connect(url) as ws:
+        await ws.send_json({"text": "word " * 220, "context_id": "big", "flush": True})
+        got = await messages_until_final(ws, "big")
+        assert [m.get("error") for m in got if "error" in m] == ["text_too_long"]
+        await ws.send_json({"text": "Still here.", "context_id": "z", "flush": True})
+        await ws.send_json({"context_id": "z", "close_context": True})
+        assert audio_of(await messages_until_final(ws, "z"))
+
+
 async def test_too_many_contexts_and_rate_limits(make_app: Any, session: aiohttp.ClientSession) -> None:
     app = await make_app("--max-streams", "1", "--fake-step-ms", "50")
     url = base(app).replace("http", "ws") + "/default/multi-stream-input"

@@ -183,11 +183,19 @@ class ElevenLabsSession:
                 return []  # a keep-alive, or closing a context that is gone: nothing to do
             context, opened = self._open(context_id, settings)
             actions += opened
+        try:
+            self._feed(context, message, text, closing)
+        except ServiceError as exc:  # the context stays (its pump too, when it opened just now)
+            return actions + self._error(code_of(exc), exc.message, context_id)
+        return actions
+
+    def _feed(self, context: Context, message: dict[str, Any], text: str | None, closing: bool) -> None:
+        """A message's text, flush and close for its (open) context."""
         feed = context.stream.text
         assert feed is not None
         if text == "" and not self._options.multi:
             feed.end()  # stream-input: empty text is the end of the input
-            return actions
+            return
         if text:
             feed.append(text)
             context.flushed_last = False
@@ -197,7 +205,6 @@ class ElevenLabsSession:
             context.flushed_last = context.flushed_last or explicit
         if closing:
             self._close_context(context)
-        return actions
 
     def _open(self, context_id: str, settings: VoiceSettings | None) -> tuple[Context, list[Action]]:
         if len(self.contexts) >= self._options.max_contexts:
