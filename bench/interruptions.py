@@ -7,8 +7,11 @@ pointed at it:
 
 - pipecat's ``ElevenLabsTTSService``: an LLM answer, then an ``InterruptionFrame`` while its audio
   flows (pipecat closes the context and reconnects its WebSocket mid-turn), ``--rounds`` times;
-- LiveKit's ``livekit-plugins-elevenlabs`` ``TTS``: a stream's text, then ``aclose()`` once its
-  first audio came (an agent's interruption), ``--rounds`` times.
+- LiveKit's ``livekit-plugins-elevenlabs`` ``TTS``: a stream's text while the LLM is still
+  answering (no ``flush``), then ``aclose()`` once its first audio came (an agent's interruption),
+  ``--rounds`` times. (Once LiveKit has flushed the whole answer it closes the context as at the
+  end of a turn, and its later ``aclose()`` sends nothing: the server then speaks the answer to
+  its end, as ElevenLabs' protocol asks; that stream ends with its audio, not at the interruption.)
 
 ``chattts_active_streams`` is sampled every ``--sample-ms`` from ``/metrics``; for each
 interruption the report gives the time until it was back to 0. Then the server gets SIGTERM,
@@ -159,8 +162,7 @@ async def drive_livekit(http_port: int, args: argparse.Namespace) -> list[float]
         try:
             for _ in range(args.rounds):
                 stream = tts.stream()
-                stream.push_text(ANSWER)
-                stream.flush()
+                stream.push_text(ANSWER)  # the LLM is still answering: no flush, no end of input
                 async with asyncio.timeout(30):
                     await anext(aiter(stream))  # its first audio
                 await asyncio.sleep(args.speak_s)

@@ -246,9 +246,32 @@ async def test_a_context_whose_first_text_is_refused_still_ends_with_its_final(
         await ws.send_json({"text": "word " * 220, "context_id": "big", "flush": True})
         got = await messages_until_final(ws, "big")
         assert [m.get("error") for m in got if "error" in m] == ["text_too_long"]
-        await ws.send_json({"text": "Still here.", "context_id": "z", "flush": True})
+        await ws.send_json({"text": "Still here.", "context_id": "z"})
+        await ws.send_json({"context_id": "z", "flush": True})  # a bare flush: the end of the turn
         await ws.send_json({"context_id": "z", "close_context": True})
         assert audio_of(await messages_until_final(ws, "z"))
+
+
+async def test_close_context_after_words_sent_with_a_flush_is_an_interruption(
+    app: App, session: aiohttp.ClientSession
+) -> None:
+    # LiveKit's auto mode sends every sentence with "flush": true and closes the context right
+    # after one when the agent is interrupted: cancelled at once. A bare flush before the close
+    # (pipecat's end of turn, LiveKit's end of input) lets the text finish.
+    engine = fake_engine(app)
+    url = base(app).replace("http", "ws") + "/default/multi-stream-input?auto_mode=true"
+    long_text = "This sentence is one of many in a long answer. " * 12
+    async with session.ws_connect(url) as ws:
+        await ws.send_json({"text": long_text, "context_id": "cut", "flush": True})
+        await ws.send_json({"context_id": "cut", "close_context": True})
+        await messages_until_final(ws, "cut")
+        await ws.send_json({"text": "Spoken to its end.", "context_id": "kept", "flush": True})
+        await ws.send_json({"context_id": "kept", "flush": True})
+        await ws.send_json({"context_id": "kept", "close_context": True})
+        kept = await messages_until_final(ws, "kept")
+    assert audio_of(kept)
+    await wait_until(lambda: 'chattts_streams_total{reason="cancelled"} 1.0' in app.metrics.render().decode())
+    await wait_until(lambda: engine.live_sequences == 0)
 
 
 async def test_too_many_contexts_and_rate_limits(make_app: Any, session: aiohttp.ClientSession) -> None:

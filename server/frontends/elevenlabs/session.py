@@ -12,8 +12,10 @@ the context's end is the stream's ``end`` (or its cancel). What the real clients
   ``multi-stream-input`` (and the end of the text on ``stream-input``);
 - ``auto_mode=true`` (pipecat's default) sends whole sentences without a trailing space: each
   text message is spoken at once (a ``flush``), so sentences are never run together;
-- ``close_context`` right after an explicit ``flush`` lets the flushed text finish (the end of
-  a turn); otherwise it is an interruption and the context's generation is cancelled at once;
+- ``close_context`` right after a bare ``flush`` (one that carries no words) lets the flushed
+  text finish (the end of a turn: pipecat's, and LiveKit's end of input); otherwise, after a
+  message with words (LiveKit's auto mode flushes every sentence it sends), it is an
+  interruption and the context's generation is cancelled at once;
   either way ``isFinal`` follows, and no audio of a cancelled context is sent;
 - every audio message carries ``contextId`` (pipecat drops audio without it), and a segment's
   words ride on the message with its last audio: ``alignment`` with times from the segment's
@@ -80,7 +82,7 @@ class Context:
 
     stream: Stream
     lease: Lease
-    flushed_last: bool = False  # the client's last message for it was an explicit flush
+    flushed_last: bool = False  # the client's last words were followed by a bare flush
     cancelled: bool = False
     words: list[Words] = field(default_factory=list)  # waiting for the next audio message
 
@@ -198,11 +200,16 @@ class ElevenLabsSession:
             return
         if text:
             feed.append(text)
-            context.flushed_last = False
         explicit = message.get("flush") is True
         if explicit or (text and text.strip() and self._options.auto_mode):
             feed.flush()
-            context.flushed_last = context.flushed_last or explicit
+        # Only a bare flush (no words with it) ends the client's text: pipecat's end of a turn and
+        # LiveKit's end of input send one. LiveKit's auto mode sends every sentence with a flush,
+        # and an interruption closes its context right after one: that must cancel, not finish.
+        if text and text.strip():
+            context.flushed_last = False
+        elif explicit:
+            context.flushed_last = True
         if closing:
             self._close_context(context)
 
