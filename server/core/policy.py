@@ -32,10 +32,10 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
   to twice ``max_queue`` in all), so one client cannot keep the others out.
 - **Out of memory**: the batch limit halves and the first half runs at once (the
   rest stay paused in the engine); it grows back by one every
-  ``oom_recovery_steps`` good steps.
+  ``oom_recovery_steps`` good steps (:class:`~server.core.health.StepHealth`).
 - **Breaker**: ``breaker_threshold`` consecutive failed steps open it; the
   streams waiting for a slot fail at once, new ones are refused, and a probe
-  runs every ``breaker_probe_interval_s`` until one succeeds.
+  runs every ``breaker_probe_interval_s`` until one succeeds (``StepHealth``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import assert_never
 
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
 from server.core.fairqueue import FairQueue, Waiting
+from server.core.health import StepHealth
 from server.core.plan import StreamPlan
 from server.engine_api import SequenceRequest, StepResult, SynthesisParams, segment_token_cap
 
@@ -140,13 +141,14 @@ class SchedulingPolicy:
         self._running: dict[int, StreamPlan] = {}  # seq_id -> stream, in admission order
         self._drops: list[int] = []
         self._seq_ids = itertools.count()
-        #: Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it).
-        self.batch_limit = config.max_batch
+        self._health = StepHealth(
+            max_batch=config.max_batch,
+            breaker_threshold=config.breaker_threshold,
+            probe_interval_s=config.breaker_probe_interval_s,
+            oom_recovery_steps=config.oom_recovery_steps,
+        )
         #: Moving average of one engine step (for the retry estimate).
         self.seconds_per_block = INITIAL_SECONDS_PER_BLOCK
-        self._good_steps = 0  # since the last out-of-memory
-        self._failures = 0  # consecutive failed steps
-        self._breaker_since: float | None = None  # opened, or last probe failed, at
 
     # --- state -----------------------------------------------------------------------
 
@@ -161,9 +163,14 @@ class SchedulingPolicy:
         return len(self._running)
 
     @property
+    def batch_limit(self) -> int:
+        """Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it)."""
+        return self._health.batch_limit
+
+    @property
     def breaker_open(self) -> bool:
         """Too many consecutive failed steps; closed by a successful probe."""
-        return self._breaker_since is not None
+        return self._health.breaker_open
 
     def admission(self) -> Admission:
         """The state :func:`refusal` decides on."""
@@ -240,8 +247,7 @@ class SchedulingPolicy:
         """Admit waiting sequences up to the batch limit and choose the next step."""
         drop = tuple(self._drops)
         self._drops.clear()
-        if self._breaker_since is not None:
-            due = self._breaker_since + self.config.breaker_probe_interval_s
+        if (due := self._health.probe_due) is not None:
             return Batch(drop=drop, probe=True) if now >= due else Batch(drop=drop, wait_until=due)
         if not self._running and 0 < len(self._waiting) < self.batch_limit:
             # Idle → busy: wait up to max_wait for more streams to share the first step.
@@ -282,8 +288,7 @@ class SchedulingPolicy:
                 return self._probed(ok, now)
             case OutOfMemory() if len(batch.step) > 1:
                 # Retry at once with the first half; the rest stay paused in the engine.
-                self.batch_limit = max(1, len(batch.step) // 2)
-                self._good_steps = 0
+                self._health.out_of_memory(len(batch.step))
                 return []
             case OutOfMemory() | StepFailed():  # out of memory with a batch of one: a failure
                 return self._failed(batch.step, now)
@@ -293,8 +298,7 @@ class SchedulingPolicy:
                 assert_never(outcome)
 
     def _stepped(self, outcome: Stepped, now: float) -> list[CoreEvent]:
-        self._failures = 0
-        self._grow_batch_limit()
+        self._health.stepped()
         self.seconds_per_block = 0.8 * self.seconds_per_block + 0.2 * outcome.elapsed_s
         events: list[CoreEvent] = []
         for result in outcome.results:
@@ -303,7 +307,7 @@ class SchedulingPolicy:
 
     def open_breaker(self, now: float) -> list[CoreEvent]:
         """Stop taking work: waiting streams fail now, new ones are refused, probes begin."""
-        self._breaker_since = now
+        self._health.open(now)
         events: list[CoreEvent] = [BreakerChanged(open=True)]
         waiting = dict.fromkeys(entry.plan for entry in self._waiting)
         for plan in waiting:
@@ -359,19 +363,10 @@ class SchedulingPolicy:
             events += self._queue(plan, now)
         return events
 
-    def _grow_batch_limit(self) -> None:
-        if self.batch_limit >= self.config.max_batch:
-            return
-        self._good_steps += 1
-        if self._good_steps >= self.config.oom_recovery_steps:
-            self.batch_limit += 1
-            self._good_steps = 0
-
     def _failed(self, step: Sequence[int], now: float) -> list[CoreEvent]:
-        self._failures += 1
         events: list[CoreEvent] = []
         # The breaker opens first, so that whoever hears of these failures sees it open.
-        if self._failures >= self.config.breaker_threshold and not self.breaker_open:
+        if self._health.failed():
             events += self.open_breaker(now)
         for seq_id in step:
             plan = self._running.get(seq_id)
@@ -380,12 +375,7 @@ class SchedulingPolicy:
         return events
 
     def _probed(self, ok: bool, now: float) -> list[CoreEvent]:
-        if not ok:
-            self._breaker_since = now
-            return []
-        self._breaker_since = None
-        self._failures = 0
-        return [BreakerChanged(open=False)]
+        return [BreakerChanged(open=False)] if self._health.probed(ok, now) else []
 
     def _end(self, plan: StreamPlan, reason: EndReason, message: str = "") -> list[StreamEvent]:
         """End a stream: its engine sequences are dropped by the next batch, its queue entries go."""
