@@ -18,6 +18,11 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
   while its stream's audio is ``lookahead_lead_s`` ahead of real time (or a heard
   segment waits for a slot; 0: always): on a CPU that barely keeps up, a second row slows the
   segment being heard below real time, for audio that nobody can hear yet.
+- **Look-ahead yields its place**: while every batch place is taken and a heard
+  segment (a new stream's first one, or one whose listener waits for it) waits, a
+  running look-ahead segment whose stream is ``lookahead_lead_s`` ahead of real
+  time gives its place up at the next block boundary: it is dropped from the engine
+  and queued again as look-ahead, to be generated afresh from its start.
 - **Per-stream share**: a stream has at most ``1 + lookahead`` unfinished
   segments queued or running.
 - **Held-segment cap**: segments that finish ahead of their turn are held (their
@@ -202,8 +207,38 @@ class SchedulingPolicy:
             deadline = self._waiting.oldest_since() + self.config.max_wait_s
             if now < deadline:
                 return Batch(drop=drop, wait_until=deadline)
+        drop += self._yield_lookahead(now)
         add, waited = self._admit(now)
         return Batch(drop=drop, add=add, waited_s=waited, step=self._stepping(now))
+
+    def _yield_lookahead(self, now: float) -> tuple[int, ...]:
+        """Look-ahead rows that give their batch places to the heard segments waiting for one.
+
+        Only rows of streams ``lookahead_lead_s`` ahead of real time yield (their listeners have
+        that much audio in hand; a stream with less needs its look-ahead soon), the least work
+        lost first: the least audio made, then the latest admitted. A yielded row is dropped
+        from the engine, KV slot and all, and its segment queued again: a batch place *is* a KV
+        slot here (the ChatTTS engine holds ``--max-batch`` slots and refuses an add beyond
+        them), so only freeing the slot lets the newcomer in, and a pool with slots beyond the
+        batch would be memory taken from batch places. Redoing the segment costs its share of
+        one prefill and the tokens it had made, none of them heard; its seed offset is the same,
+        so a seeded stream gets the same audio. The rule acts only on a full batch: on the CPU
+        (``--max-batch`` 16, at most 1 + look-ahead rows a stream) a closed loop of up to eight
+        streams never fills it.
+        """
+        need = self._waiting.count(0) - max(0, self.batch_limit - len(self._running))
+        if need <= 0:
+            return ()
+        lead = self.config.lookahead_lead_s
+        rows = [s for s, plan in self._running.items() if plan.is_lookahead(s) and plan.lead_s(now) >= lead]
+        rows.sort(key=lambda s: (self._running[s].held_samples(s), -s))
+        chosen = rows[:need]
+        if len(self._running) - len(chosen) >= self.batch_limit:
+            return ()  # above a limit an out-of-memory lowered: yielding would free no place
+        for seq_id in chosen:
+            plan = self._running.pop(seq_id)
+            self._waiting.push(1, Waiting(plan, plan.give_up(seq_id), now))
+        return tuple(chosen)
 
     def _stepping(self, now: float) -> tuple[int, ...]:
         """The running sequences the step advances: look-ahead only where its stream has a lead.
