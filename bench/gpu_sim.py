@@ -111,9 +111,9 @@ def limit_of(level: dict[str, Any], settings: SimSettings) -> str:
     if level["peak_slots"] >= places:
         causes.append(
             f"every batch place was taken at its peak ({level['peak_slots']} rows: --max-batch "
-            f"{settings.policy.max_batch}, {settings.slots} KV slots), look-ahead rows included, "
-            f"while {level['rows_per_quantum']} rows stepped per quantum on average: "
-            "newcomers waited for a place"
+            f"{settings.policy.max_batch}, {settings.slots} KV slots) while {level['rows_per_quantum']} "
+            f"rows stepped per quantum on average ({level.get('yielded_rows', 0)} look-ahead rows gave "
+            "their places to newcomers): newcomers waited for a place"
         )
     device_ms = sum(level["device_ms_per_quantum"].values())
     first = settings.schedule[0]

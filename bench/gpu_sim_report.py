@@ -177,6 +177,16 @@ def notes(results: dict[str, Any]) -> list[str]:
         + " (under overlap the run's last quantum, whose rows had all ended, is never read)."
     )
     probes = (results.get("search") or {}).get("probes", [])
+    yielded = [lv for lv in [*levels, *probes] if lv.get("yielded_rows")]
+    if yielded:
+        most = max(yielded, key=lambda lv: lv["yielded_rows"])
+        out.append(
+            "- Look-ahead rows gave their places to newcomers (`server/core/policy.py`: with every place "
+            "taken and a heard segment waiting, a look-ahead of a stream --lookahead-lead-s ahead of real "
+            f"time is dropped and made again later) at {len(yielded)} of {len(levels) + len(probes)} runs; "
+            f"most at {most['streams']} {most['arrival']}: {most['yielded_rows']} rows, whose tokens "
+            f"({100 * most['yielded_token_share']:.2f} % of all made) were made again."
+        )
     host = max([*levels, *probes], key=lambda lv: lv["host_ms_per_quantum"]) if levels else None
     if host:
         dev = sum(host["device_ms_per_quantum"].values())
