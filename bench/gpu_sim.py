@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bisect-max", type=int, default=2048, help="the search's ceiling")
     p.add_argument("--bisect-step", type=int, default=32, help="the search's resolution")
     p.add_argument("--seed", type=int, default=43)
+    p.add_argument("--note", default="", help="what changed since the last committed run (for the report)")
     p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS, help="the streams' texts (.jsonl)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_sim"), help="writes OUT.json, OUT.md")
     return p
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "levels": levels,
         "search": search,
         "sim_wall_s": round(time.monotonic() - started, 1),
+        "note": args.note,
         "machine": describe_machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
