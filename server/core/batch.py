@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from server.engine_api import SequenceRequest, StepResult
 
+#: The batch limit when ``max_batch`` is 0 and the engine states no limit of its own.
+DEFAULT_MAX_BATCH = 16
 #: The block-time estimate before any block ran (it then follows the measured times).
 INITIAL_SECONDS_PER_BLOCK = 0.05
 
@@ -20,7 +22,7 @@ INITIAL_SECONDS_PER_BLOCK = 0.05
 class PolicyConfig:
     """Tuning of the policy; ``server.config.Settings`` documents the flags behind it."""
 
-    max_batch: int = 16
+    max_batch: int = 16  # 0: the engine's KV slots (EngineInfo.max_batch), set once it is loaded
     max_wait_s: float = 0.005
     max_queue: int = 256
     lookahead: int = 1

@@ -132,6 +132,7 @@ class EngineCore:
             self._emit([LoadFailed(f"the engine failed to load (--engine): {cause}")])
             return
         self.engine = engine
+        self._policy.fit_engine(engine.info.max_batch)
         self._metrics.kv_cache_bytes.set(int(engine.info.extra.get("kv_cache_bytes", 0)))
         self._emit([Loaded(engine.info)])
         try:

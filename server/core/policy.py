@@ -47,9 +47,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import assert_never
 
 from server.core.batch import (
+    DEFAULT_MAX_BATCH,
     INITIAL_SECONDS_PER_BLOCK,
     Batch,
     Outcome,
@@ -138,6 +140,16 @@ class SchedulingPolicy:
     def running(self, seq_ids: Iterable[int]) -> tuple[int, ...]:
         """Those of ``seq_ids`` that still run (a refused add ends its stream)."""
         return tuple(seq_id for seq_id in seq_ids if seq_id in self._running)
+
+    def fit_engine(self, engine_slots: int | None) -> None:
+        """Once the engine is loaded: ``max_batch`` 0 (``--max-batch 0``) becomes the engine's slots.
+
+        ``engine_slots`` is :attr:`~server.engine_api.EngineInfo.max_batch` (on CUDA sized from
+        free memory); an engine that states none gets :data:`DEFAULT_MAX_BATCH`.
+        """
+        if self.config.max_batch == 0:
+            self.config = replace(self.config, max_batch=engine_slots or DEFAULT_MAX_BATCH)
+            self._health.max_batch = self._health.batch_limit = self.config.max_batch
 
     # --- commands --------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ engine's step and event logs, not from wall time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -434,3 +435,16 @@ async def test_a_look_ahead_row_ahead_of_real_time_gives_its_place_to_a_newcomer
     expected = np.concatenate([expected_audio(r) for r in engine.added if r.seq_id in (0, 3)])
     audio = np.concatenate([e.samples for e in first.events if isinstance(e, Audio)])
     assert np.array_equal(audio, expected)
+
+
+async def test_max_batch_0_takes_the_engines_slots_as_the_batch_limit() -> None:
+    """``--max-batch 0``: the batch limit is the slots the loaded engine states (CUDA: from free memory)."""
+    engine = FakeEngine(step_base_s=0.0, step_per_row_s=0.0)
+    engine._info = dataclasses.replace(engine.info, max_batch=3)
+    async with run_core(engine, max_batch=0, lookahead=0, max_wait_s=0.05) as sched:
+        sinks = [Sink() for _ in range(5)]
+        for i, sink in enumerate(sinks):
+            sched.submit([f"stream {i} speaks for a while."], SynthesisParams(seed=i), sink)
+        await wait_all(sinks)
+    assert all(s.end.reason == "complete" for s in sinks)
+    assert max(len(rec.seq_ids) for rec in engine.steps) == 3
