@@ -230,6 +230,34 @@ def test_a_heard_segment_never_yields_its_place() -> None:
     assert batch.drop == () and batch.add == () and batch.step == (a0,)
 
 
+def test_a_closed_loop_of_eight_streams_never_fills_the_cpus_sixteen_places() -> None:
+    """The CPU's c8: 16 places, at most 1 + look-ahead rows a stream, a newcomer only after a stream
+    ends. The yield rule needs a full batch, so it never acts and no look-ahead work is lost."""
+    policy = make_policy(max_batch=16, lookahead=1, lookahead_lead_s=1.0)
+    streams = iter(range(1000))
+
+    def start() -> None:  # streams of 2 to 5 segments, so they come and go out of step
+        stream = next(streams)
+        add(policy, stream, [f"segment {k}." for k in range(2 + stream % 4)])
+
+    for _ in range(8):
+        start()
+    age: dict[int, int] = {}
+    now = 0.0
+    for _ in range(200):
+        now += 0.1
+        batch = policy.schedule(now)
+        assert batch.drop == () and policy.running_count <= 16
+        for seq_id in batch.step:
+            age[seq_id] = age.get(seq_id, 0) + 1
+        # Every row makes 2 s of audio a step (far ahead of real time) and ends after 2 to 4 steps.
+        results = [audio_result(s, 2.0, finished=age[s] >= 2 + s % 3) for s in batch.step]
+        events = policy.update(batch, Stepped(results, 0.1), now)
+        for _ in ended(events):  # a stream ends: its listener's next one starts (closed loop)
+            start()
+    assert next(streams) > 40  # streams came and went throughout
+
+
 # --- admission -----------------------------------------------------------------------------------
 
 
