@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bisect-max", type=int, default=2048, help="the search's ceiling")
     p.add_argument("--bisect-step", type=int, default=32, help="the search's resolution")
     p.add_argument("--seed", type=int, default=43)
+    p.add_argument("--note", default="", help="what changed since the last committed run (for the report)")
     p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS, help="the streams' texts (.jsonl)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_sim"), help="writes OUT.json, OUT.md")
     return p
@@ -111,9 +112,9 @@ def limit_of(level: dict[str, Any], settings: SimSettings) -> str:
     if level["peak_slots"] >= places:
         causes.append(
             f"every batch place was taken at its peak ({level['peak_slots']} rows: --max-batch "
-            f"{settings.policy.max_batch}, {settings.slots} KV slots), look-ahead rows included, "
-            f"while {level['rows_per_quantum']} rows stepped per quantum on average: "
-            "newcomers waited for a place"
+            f"{settings.policy.max_batch}, {settings.slots} KV slots) while {level['rows_per_quantum']} "
+            f"rows stepped per quantum on average ({level.get('yielded_rows', 0)} look-ahead rows gave "
+            "their places to newcomers): newcomers waited for a place"
         )
     device_ms = sum(level["device_ms_per_quantum"].values())
     first = settings.schedule[0]
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "levels": levels,
         "search": search,
         "sim_wall_s": round(time.monotonic() - started, 1),
+        "note": args.note,
         "machine": describe_machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -247,6 +247,8 @@ class DeviceLog:
     host_reads: int = 0
     busy_until_s: float = 0.0
     peak_slots: int = 0
+    yielded_rows: int = 0  # live rows dropped before their end: look-ahead that gave its place up
+    yielded_tokens: int = 0  # the tokens those rows had made (made again later)
 
     @property
     def busy_s(self) -> float:
@@ -309,8 +311,15 @@ class QuantumEngine:
         self._rows[request.seq_id] = row
 
     def drop(self, seq_id: int) -> None:
-        """Forget a sequence (its slot frees at once; an in-flight quantum's result for it is ignored)."""
-        self._rows.pop(seq_id, None)
+        """Forget a sequence (its slot frees at once; an in-flight quantum's result for it is ignored).
+
+        The simulated streams are never cancelled, so a live row dropped here is a look-ahead row
+        that gave its batch place to a newcomer (``server/core/policy.py``): counted, with its tokens.
+        """
+        row = self._rows.pop(seq_id, None)
+        if row is not None and not row.released:
+            self.log.yielded_rows += 1
+            self.log.yielded_tokens += row.done
 
     def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
         """Not modelled."""

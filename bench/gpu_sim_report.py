@@ -59,6 +59,7 @@ def render(results: dict[str, Any]) -> str:
     model = results["model"]
     policy = design["policy"]
     machine = results["machine"]
+    note = results.get("note")
     lines = [
         "# python -m bench.gpu_sim: the server's scheduler on a simulated H100",
         "",
@@ -72,6 +73,7 @@ def render(results: dict[str, Any]) -> str:
         "around each launch) was charged the CPU time it took on this machine (`time.thread_time`, "
         f"× {design['host_scale']}). The GPU measurement is `python -m bench.gpu`, owed to the first GPU.",
         "",
+        *([f"**What changed since the last committed run:** {note}", ""] if note else []),
         "## The engine modelled (issue #43's design)",
         "",
         f"- Quanta of **K = {design['quantum_tokens']}** tokens: every row advances K tokens per quantum; "
@@ -177,6 +179,16 @@ def notes(results: dict[str, Any]) -> list[str]:
         + " (under overlap the run's last quantum, whose rows had all ended, is never read)."
     )
     probes = (results.get("search") or {}).get("probes", [])
+    yielded = [lv for lv in [*levels, *probes] if lv.get("yielded_rows")]
+    if yielded:
+        most = max(yielded, key=lambda lv: lv["yielded_rows"])
+        out.append(
+            "- Look-ahead rows gave their places to newcomers (`server/core/policy.py`: with every place "
+            "taken and a heard segment waiting, a look-ahead of a stream --lookahead-lead-s ahead of real "
+            f"time is dropped and made again later) at {len(yielded)} of {len(levels) + len(probes)} runs; "
+            f"most at {most['streams']} {most['arrival']}: {most['yielded_rows']} rows, whose tokens "
+            f"({100 * most['yielded_token_share']:.2f} % of all made) were made again."
+        )
     host = max([*levels, *probes], key=lambda lv: lv["host_ms_per_quantum"]) if levels else None
     if host:
         dev = sum(host["device_ms_per_quantum"].values())
@@ -194,6 +206,12 @@ def notes(results: dict[str, Any]) -> list[str]:
                 "up to a quantum to first audio; it pays only where the host's time per quantum nears the "
                 "device's, which this model's host time does not."
             )
+    base = search.get("most_streams")
+    if any(w["most_streams"] == base for w in search.get("what_if", [])):
+        out.append(
+            f"- A what-if search starts from the base's passing level ({base}) without running it again: "
+            f"where its answer is {base}, no level above it passed under that change, and it may pass fewer."
+        )
     out.append(
         "- The search's answer is good to about ±5 %: near the limit first audio p99 is within a few ms "
         "of 150, each level draws its own arrivals, and the host's measured time varies a little from run "

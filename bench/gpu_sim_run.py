@@ -301,6 +301,8 @@ def summarize(
         "frozen_rows_per_quantum": round(device.frozen_rows / quanta, 2),
         "tokens_per_row_quantum": round(device.tokens / max(device.rows - device.frozen_rows, 1), 3),
         "short_rows": device.short_rows,
+        "yielded_rows": device.yielded_rows,
+        "yielded_token_share": round(device.yielded_tokens / max(device.tokens, 1), 4),
         "host_reads_per_quantum": round(device.host_reads / quanta, 3),
         "device_ms_per_quantum": {
             "step": round(device.step_s / quanta * 1000, 3),

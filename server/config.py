@@ -234,7 +234,11 @@ class Settings:
     ogg_page_ms: int = _opt(100, "ogg format: audio per Ogg page (a page is flushed at least this often)")
     mp3_bitrate: int = _opt(64, "mp3 format: CBR bitrate in kbit/s (8-160 at 8-24 kHz, 32-320 at 48 kHz)")
     encode_threads: int = _opt(2, "worker threads that encode Opus/Ogg off the event loop")
-    max_batch: int = _opt(16, "most sequences advanced together in one engine step")
+    max_batch: int = _opt(
+        0,
+        "most sequences advanced together in one engine step, each with a KV slot; 0: on CUDA as many "
+        "slots as the memory free after loading holds (less 6 GiB), 16 on the CPU",
+    )
     max_wait_ms: float = _opt(5.0, "when idle, how long to gather a first batch")
     max_queue: int = _opt(256, "sequences waiting for a batch slot before new streams get 'overloaded'")
     segment_lookahead: int = _opt(1, "segments of one stream generated ahead of the one playing")
@@ -242,7 +246,8 @@ class Settings:
         1.0,
         "a look-ahead segment is generated only while its stream's audio is this many seconds ahead "
         "of real time (or a heard segment waits for a slot): a second row must not slow the heard one "
-        "below real time; 0: always",
+        "below real time; 0: always. With every batch place taken, such a look-ahead gives its place to "
+        "a waiting heard segment (and is made again later)",
     )
     breaker_threshold: int = _opt(
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"

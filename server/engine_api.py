@@ -195,6 +195,9 @@ class EngineInfo:
     #: The most tokens a segment's text may be for the model (:meth:`Engine.text_tokens`): its
     #: prompt then fits what the KV slots and the warm-up were sized for. ``None``: no limit.
     max_text_tokens: int | None = None
+    #: The most sequences the engine holds at once (its KV slots): the scheduler's batch limit
+    #: when ``--max-batch`` is 0. ``None``: no limit of its own.
+    max_batch: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -7,10 +7,12 @@ engine (drop, add, one step of a token block), feed the outcome back to the
 policy, and hand the events it releases to ``emit`` in one batch. A newcomer
 therefore waits for the step in flight, not for a whole batch
 (iteration-level batching); and an engine that can end a block early (an
-``interrupt`` attribute, as the ChatTTS engine has) ends it at the next token
-once a command that brings or frees work (add, append, cancel) waits, so the
-newcomer waits one token, not a block. The engine is created, warmed up,
-stepped and closed on this thread only.
+``interrupt`` attribute, as the ChatTTS engine has) ends it at the next quantum
+boundary once a command that brings or frees work (add, append, cancel) waits:
+it asks ``interrupt`` only between quanta (its ``quantum_tokens`` token steps, 4
+on CUDA and 1 on the CPU), never inside one, so the newcomer waits at most one
+quantum, not a block. The engine is created, warmed up, stepped and closed on
+this thread only.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class EngineCore:
             self._emit([LoadFailed(f"the engine failed to load (--engine): {cause}")])
             return
         self.engine = engine
+        self._policy.fit_engine(engine.info.max_batch)
         self._metrics.kv_cache_bytes.set(int(engine.info.extra.get("kv_cache_bytes", 0)))
         self._emit([Loaded(engine.info)])
         try:

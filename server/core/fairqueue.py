@@ -87,6 +87,10 @@ class FairQueue:
         """When the longest-waiting entry was queued (the queue must not be empty)."""
         return min(entry.since for *_, entry in self._heap)
 
+    def count(self, priority: int) -> int:
+        """Waiting entries of ``priority``."""
+        return sum(n for (p, _), n in self._waiting.items() if p == priority)
+
     def by_client(self, priority: int = 0) -> dict[str, int]:
         """Waiting entries of ``priority`` per client (clients with none are absent)."""
         return {client: n for (p, client), n in self._waiting.items() if p == priority}

@@ -73,6 +73,24 @@ class StreamPlan:
             self.heard_since = now
         self.heard_samples += samples
 
+    def is_lookahead(self, seq_id: int) -> bool:
+        """Whether live ``seq_id`` runs one of the stream's look-ahead segments (not the one heard)."""
+        return self.live_seqs[seq_id] != self.emit_index
+
+    def held_samples(self, seq_id: int) -> int:
+        """Samples of live ``seq_id``'s audio held back so far (what yielding its place would discard)."""
+        return sum(len(chunk) for chunk in self.held.get(self.live_seqs[seq_id], ()))
+
+    def give_up(self, seq_id: int) -> int:
+        """Look-ahead ``seq_id`` gives up its batch place: forget its run and held audio; its segment.
+
+        The segment stays unfinished and queued (``next_to_queue`` does not move back), so it is
+        generated again from its start when it gets a place again; nobody heard its audio.
+        """
+        segment = self.live_seqs.pop(seq_id)
+        self.held.pop(segment, None)
+        return segment
+
     def segments_to_queue(self, lookahead: int) -> list[int]:
         """Segments to queue now, so that at most ``1 + lookahead`` are unfinished.
 

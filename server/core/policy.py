@@ -18,6 +18,11 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
   while its stream's audio is ``lookahead_lead_s`` ahead of real time (or a heard
   segment waits for a slot; 0: always): on a CPU that barely keeps up, a second row slows the
   segment being heard below real time, for audio that nobody can hear yet.
+- **Look-ahead yields its place**: while every batch place is taken and a heard
+  segment (a new stream's first one, or one whose listener waits for it) waits, a
+  running look-ahead segment whose stream is ``lookahead_lead_s`` ahead of real
+  time gives its place up at the next block boundary: it is dropped from the engine
+  and queued again as look-ahead, to be generated afresh from its start.
 - **Per-stream share**: a stream has at most ``1 + lookahead`` unfinished
   segments queued or running.
 - **Held-segment cap**: segments that finish ahead of their turn are held (their
@@ -32,102 +37,53 @@ A stream is a list of text segments; each segment is one engine sequence. The ru
   to twice ``max_queue`` in all), so one client cannot keep the others out.
 - **Out of memory**: the batch limit halves and the first half runs at once (the
   rest stay paused in the engine); it grows back by one every
-  ``oom_recovery_steps`` good steps.
+  ``oom_recovery_steps`` good steps (:class:`~server.core.health.StepHealth`).
 - **Breaker**: ``breaker_threshold`` consecutive failed steps open it; the
   streams waiting for a slot fail at once, new ones are refused, and a probe
-  runs every ``breaker_probe_interval_s`` until one succeeds.
+  runs every ``breaker_probe_interval_s`` until one succeeds (``StepHealth``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import assert_never
 
+from server.core.batch import (
+    DEFAULT_MAX_BATCH,
+    INITIAL_SECONDS_PER_BLOCK,
+    Batch,
+    Outcome,
+    OutOfMemory,
+    PolicyConfig,
+    Probed,
+    StepFailed,
+    Stepped,
+)
 from server.core.events import Admission, BreakerChanged, CoreEvent, Ended, EndReason, StreamEvent
 from server.core.fairqueue import FairQueue, Waiting
+from server.core.health import StepHealth
 from server.core.plan import StreamPlan
 from server.engine_api import SequenceRequest, StepResult, SynthesisParams, segment_token_cap
+
+__all__ = [
+    "BREAKER_MESSAGE",
+    "INITIAL_SECONDS_PER_BLOCK",
+    "Batch",
+    "OutOfMemory",
+    "Outcome",
+    "PolicyConfig",
+    "Probed",
+    "SchedulingPolicy",
+    "StepFailed",
+    "Stepped",
+]
 
 BREAKER_MESSAGE = "the model is failing; retry later or elsewhere"
 FAILED_MESSAGE = "the model failed while generating this stream"
 REFUSED_MESSAGE = "the model could not take this text"
 STOPPED_MESSAGE = "the inference loop stopped"
-#: The block-time estimate before any block ran (it then follows the measured times).
-INITIAL_SECONDS_PER_BLOCK = 0.05
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyConfig:
-    """Tuning of the policy; ``server.config.Settings`` documents the flags behind it."""
-
-    max_batch: int = 16
-    max_wait_s: float = 0.005
-    max_queue: int = 256
-    lookahead: int = 1
-    lookahead_lead_s: float = 1.0
-    max_tokens_per_segment: int = 2048
-    breaker_threshold: int = 5
-    breaker_probe_interval_s: float = 2.0
-    oom_recovery_steps: int = 50
-
-
-@dataclass(frozen=True, kw_only=True)
-class Batch:
-    """What the core does next, in this order: drop, add, then step (or probe); or wait.
-
-    Attributes:
-        drop: engine sequences to free (their streams ended).
-        add: sequences admitted now.
-        waited_s: for each of ``add``, how long it waited for its slot.
-        step: the sequences the engine advances by one block.
-        probe: run the engine's warm-up as the breaker's probe instead of a step.
-        wait_until: when nothing is to be done: the time to schedule again
-            unless a command comes first (None: wait for a command).
-    """
-
-    drop: tuple[int, ...] = ()
-    add: tuple[SequenceRequest, ...] = ()
-    waited_s: tuple[float, ...] = ()
-    step: tuple[int, ...] = ()
-    probe: bool = False
-    wait_until: float | None = None
-
-    @property
-    def idle(self) -> bool:
-        """Neither a step nor a probe."""
-        return not self.step and not self.probe
-
-
-@dataclass(frozen=True)
-class Stepped:
-    """The step ran: one result per sequence, and how long the engine took."""
-
-    results: Sequence[StepResult]
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class StepFailed:
-    """The step raised; every sequence in it fails."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class OutOfMemory:
-    """The step ran out of accelerator memory; fewer rows may fit."""
-
-
-@dataclass(frozen=True)
-class Probed:
-    """The breaker's probe ran; ``ok`` when it succeeded."""
-
-    ok: bool
-
-
-Outcome = Stepped | StepFailed | OutOfMemory | Probed
 
 
 class SchedulingPolicy:
@@ -140,13 +96,14 @@ class SchedulingPolicy:
         self._running: dict[int, StreamPlan] = {}  # seq_id -> stream, in admission order
         self._drops: list[int] = []
         self._seq_ids = itertools.count()
-        #: Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it).
-        self.batch_limit = config.max_batch
+        self._health = StepHealth(
+            max_batch=config.max_batch,
+            breaker_threshold=config.breaker_threshold,
+            probe_interval_s=config.breaker_probe_interval_s,
+            oom_recovery_steps=config.oom_recovery_steps,
+        )
         #: Moving average of one engine step (for the retry estimate).
         self.seconds_per_block = INITIAL_SECONDS_PER_BLOCK
-        self._good_steps = 0  # since the last out-of-memory
-        self._failures = 0  # consecutive failed steps
-        self._breaker_since: float | None = None  # opened, or last probe failed, at
 
     # --- state -----------------------------------------------------------------------
 
@@ -161,9 +118,14 @@ class SchedulingPolicy:
         return len(self._running)
 
     @property
+    def batch_limit(self) -> int:
+        """Sequences one step may hold now (``max_batch`` until an out-of-memory lowers it)."""
+        return self._health.batch_limit
+
+    @property
     def breaker_open(self) -> bool:
         """Too many consecutive failed steps; closed by a successful probe."""
-        return self._breaker_since is not None
+        return self._health.breaker_open
 
     def admission(self) -> Admission:
         """The state :func:`refusal` decides on."""
@@ -178,6 +140,16 @@ class SchedulingPolicy:
     def running(self, seq_ids: Iterable[int]) -> tuple[int, ...]:
         """Those of ``seq_ids`` that still run (a refused add ends its stream)."""
         return tuple(seq_id for seq_id in seq_ids if seq_id in self._running)
+
+    def fit_engine(self, engine_slots: int | None) -> None:
+        """Once the engine is loaded: ``max_batch`` 0 (``--max-batch 0``) becomes the engine's slots.
+
+        ``engine_slots`` is :attr:`~server.engine_api.EngineInfo.max_batch` (on CUDA sized from
+        free memory); an engine that states none gets :data:`DEFAULT_MAX_BATCH`.
+        """
+        if self.config.max_batch == 0:
+            self.config = replace(self.config, max_batch=engine_slots or DEFAULT_MAX_BATCH)
+            self._health.max_batch = self._health.batch_limit = self.config.max_batch
 
     # --- commands --------------------------------------------------------------------
 
@@ -240,16 +212,45 @@ class SchedulingPolicy:
         """Admit waiting sequences up to the batch limit and choose the next step."""
         drop = tuple(self._drops)
         self._drops.clear()
-        if self._breaker_since is not None:
-            due = self._breaker_since + self.config.breaker_probe_interval_s
+        if (due := self._health.probe_due) is not None:
             return Batch(drop=drop, probe=True) if now >= due else Batch(drop=drop, wait_until=due)
         if not self._running and 0 < len(self._waiting) < self.batch_limit:
             # Idle → busy: wait up to max_wait for more streams to share the first step.
             deadline = self._waiting.oldest_since() + self.config.max_wait_s
             if now < deadline:
                 return Batch(drop=drop, wait_until=deadline)
+        drop += self._yield_lookahead(now)
         add, waited = self._admit(now)
         return Batch(drop=drop, add=add, waited_s=waited, step=self._stepping(now))
+
+    def _yield_lookahead(self, now: float) -> tuple[int, ...]:
+        """Look-ahead rows that give their batch places to the heard segments waiting for one.
+
+        Only rows of streams ``lookahead_lead_s`` ahead of real time yield (their listeners have
+        that much audio in hand; a stream with less needs its look-ahead soon), the least work
+        lost first: the least audio made, then the latest admitted. A yielded row is dropped
+        from the engine, KV slot and all, and its segment queued again: a batch place *is* a KV
+        slot here (the ChatTTS engine holds ``--max-batch`` slots and refuses an add beyond
+        them), so only freeing the slot lets the newcomer in, and a pool with slots beyond the
+        batch would be memory taken from batch places. Redoing the segment costs its share of
+        one prefill and the tokens it had made, none of them heard; its seed offset is the same,
+        so a seeded stream gets the same audio. The rule acts only on a full batch: on the CPU
+        (``--max-batch`` 16, at most 1 + look-ahead rows a stream) a closed loop of up to eight
+        streams never fills it.
+        """
+        need = self._waiting.count(0) - max(0, self.batch_limit - len(self._running))
+        if need <= 0:
+            return ()
+        lead = self.config.lookahead_lead_s
+        rows = [s for s, plan in self._running.items() if plan.is_lookahead(s) and plan.lead_s(now) >= lead]
+        rows.sort(key=lambda s: (self._running[s].held_samples(s), -s))
+        chosen = rows[:need]
+        if len(self._running) - len(chosen) >= self.batch_limit:
+            return ()  # above a limit an out-of-memory lowered: yielding would free no place
+        for seq_id in chosen:
+            plan = self._running.pop(seq_id)
+            self._waiting.push(1, Waiting(plan, plan.give_up(seq_id), now))
+        return tuple(chosen)
 
     def _stepping(self, now: float) -> tuple[int, ...]:
         """The running sequences the step advances: look-ahead only where its stream has a lead.
@@ -282,8 +283,7 @@ class SchedulingPolicy:
                 return self._probed(ok, now)
             case OutOfMemory() if len(batch.step) > 1:
                 # Retry at once with the first half; the rest stay paused in the engine.
-                self.batch_limit = max(1, len(batch.step) // 2)
-                self._good_steps = 0
+                self._health.out_of_memory(len(batch.step))
                 return []
             case OutOfMemory() | StepFailed():  # out of memory with a batch of one: a failure
                 return self._failed(batch.step, now)
@@ -293,8 +293,7 @@ class SchedulingPolicy:
                 assert_never(outcome)
 
     def _stepped(self, outcome: Stepped, now: float) -> list[CoreEvent]:
-        self._failures = 0
-        self._grow_batch_limit()
+        self._health.stepped()
         self.seconds_per_block = 0.8 * self.seconds_per_block + 0.2 * outcome.elapsed_s
         events: list[CoreEvent] = []
         for result in outcome.results:
@@ -303,7 +302,7 @@ class SchedulingPolicy:
 
     def open_breaker(self, now: float) -> list[CoreEvent]:
         """Stop taking work: waiting streams fail now, new ones are refused, probes begin."""
-        self._breaker_since = now
+        self._health.open(now)
         events: list[CoreEvent] = [BreakerChanged(open=True)]
         waiting = dict.fromkeys(entry.plan for entry in self._waiting)
         for plan in waiting:
@@ -359,19 +358,10 @@ class SchedulingPolicy:
             events += self._queue(plan, now)
         return events
 
-    def _grow_batch_limit(self) -> None:
-        if self.batch_limit >= self.config.max_batch:
-            return
-        self._good_steps += 1
-        if self._good_steps >= self.config.oom_recovery_steps:
-            self.batch_limit += 1
-            self._good_steps = 0
-
     def _failed(self, step: Sequence[int], now: float) -> list[CoreEvent]:
-        self._failures += 1
         events: list[CoreEvent] = []
         # The breaker opens first, so that whoever hears of these failures sees it open.
-        if self._failures >= self.config.breaker_threshold and not self.breaker_open:
+        if self._health.failed():
             events += self.open_breaker(now)
         for seq_id in step:
             plan = self._running.get(seq_id)
@@ -380,12 +370,7 @@ class SchedulingPolicy:
         return events
 
     def _probed(self, ok: bool, now: float) -> list[CoreEvent]:
-        if not ok:
-            self._breaker_since = now
-            return []
-        self._breaker_since = None
-        self._failures = 0
-        return [BreakerChanged(open=False)]
+        return [BreakerChanged(open=False)] if self._health.probed(ok, now) else []
 
     def _end(self, plan: StreamPlan, reason: EndReason, message: str = "") -> list[StreamEvent]:
         """End a stream: its engine sequences are dropped by the next batch, its queue entries go."""

@@ -88,8 +88,8 @@ def engine_options(settings: Settings) -> EngineOptions:
         raise ValueError(f"--prefill-bucket {settings.prefill_bucket}: must be at least 1 (1: off)")
     if settings.segment_max_tokens < 1:
         raise ValueError(f"--segment-max-tokens {settings.segment_max_tokens}: must be at least 1")
-    if settings.max_batch < 1:
-        raise ValueError(f"--max-batch {settings.max_batch}: must be at least 1")
+    if settings.max_batch < 0:
+        raise ValueError(f"--max-batch {settings.max_batch}: must be 0 (sized to the device) or more")
     if settings.refine_max_tokens < 0:
         raise ValueError(f"--refine-max-tokens {settings.refine_max_tokens}: must be 0 (off) or more")
     if settings.omp_spin_count < 0:
@@ -99,7 +99,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         quantum_tokens=settings.quantum_tokens or None,
         prefill_bucket=settings.prefill_bucket,
         warmup_prompt_chars=settings.segment_max_chars,
-        max_batch=settings.max_batch,
+        max_batch=settings.max_batch or None,
         segment_max_tokens=settings.segment_max_tokens,
         cuda_graphs=settings.cuda_graphs == "on",
         compile_step=settings.compile_step == "on",

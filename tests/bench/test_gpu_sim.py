@@ -97,3 +97,20 @@ def test_overlap_reads_quantum_n_after_launching_quantum_n_plus_1() -> None:
     assert clock.now() >= first_end  # the host waited for quantum 0 only
     assert engine.log.busy_until_s > clock.now()  # quantum 1 still runs on the device
     assert engine.log.host_reads == 1 and engine.log.quanta == 2
+
+
+def test_look_ahead_rows_give_their_places_to_newcomers_when_the_places_are_full() -> None:
+    """16 places for 96 Poisson listeners: look-ahead rows yield; every stream still completes."""
+    tight = SimSettings(
+        model=CostModel(),
+        policy=PolicyConfig(max_batch=16),
+        slots=16,
+        quantum=4,
+        seed=7,
+        host_scale=1.0,
+        duration_s=12.0,  # long enough for streams to build the 1 s lead a look-ahead needs
+    )
+    level = run_level(96, "poisson", TEXTS, tight)
+    assert level["peak_slots"] == 16 and level["failed"] == 0 and not level["cut"]
+    assert level["yielded_rows"] > 0  # without the rule: 0 (nothing else drops a live row here)
+    assert 0 < level["yielded_token_share"] < 0.5

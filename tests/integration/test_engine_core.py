@@ -9,20 +9,22 @@ engine's step and event logs, not from wall time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from server.core.client import EngineClient
-from server.core.events import Ended, SegmentStarted, StreamEvent
+from server.core.events import Audio, Ended, SegmentStarted, StreamEvent
 from server.core.generation import GenerateRequest, Generation
 from server.core.policy import PolicyConfig
-from server.engine.fake import FAIL_MARKER, FakeEngine
-from server.engine_api import StepResult, SynthesisParams
+from server.engine.fake import FAIL_MARKER, FakeEngine, expected_audio
+from server.engine_api import EngineError, StepResult, SynthesisParams
 from server.errors import EngineUnavailable, Overloaded
 from server.metrics import Metrics
 
@@ -376,3 +378,73 @@ async def test_block_tokens_histogram_counts_each_steps_token_steps(engine: Fake
         # (the last block, the remainder, is longer than 4 here).
         assert rest % engine.block_tokens > 4
         assert sample("chattts_block_tokens_bucket", {"le": "4.0"}) - short_before == 1
+
+
+class Stepwise(FakeEngine):
+    """A fake whose steps (once ``gated``: not during warm-up) each wait for the test's permit.
+
+    The test decides how many steps run, so what the core does between two of them is
+    asserted without racing the inference thread. A step that gets no permit in 10 s fails.
+    """
+
+    def __init__(self) -> None:
+        # A long first block: 400 tokens are 8.5 s of audio, so a stream is far ahead of real
+        # time after one step, and stays ahead however slow this machine is.
+        super().__init__(step_base_s=0.0, step_per_row_s=0.0, first_block_tokens=400)
+        self.gated = False
+        self.permits = threading.Semaphore(0)
+
+    def step(self, seq_ids: list[int]) -> list[StepResult]:
+        if self.gated and not self.permits.acquire(timeout=10):
+            raise EngineError("the test gave no permit")
+        return super().step(seq_ids)
+
+    async def run_steps(self, count: int) -> None:
+        """Let ``count`` more steps run and wait until they are logged."""
+        target = len(self.steps) + count
+        self.permits.release(count)
+        async with asyncio.timeout(10):
+            while len(self.steps) < target:
+                await asyncio.sleep(0.001)
+
+
+async def test_a_look_ahead_row_ahead_of_real_time_gives_its_place_to_a_newcomer() -> None:
+    engine = Stepwise()
+    async with run_core(engine, max_batch=2, lookahead=1, lookahead_lead_s=1.0, max_wait_s=0.0) as sched:
+        engine.gated = True
+        params = SynthesisParams(seed=5)
+        heard, ahead = "a heard segment, long " * 25, "the look-ahead segment " * 25
+        first, newcomer = Sink(), Sink()
+        sched.submit([heard, ahead], params, first)  # seq 0 (heard) and seq 1 (look-ahead): both places
+        await engine.run_steps(2)  # seq 0 alone, then, 8.5 s ahead, seq 0 and seq 1
+        assert [rec.seq_ids for rec in engine.steps] == [(0,), (0, 1)]
+        sched.submit(["newcomer."], SynthesisParams(seed=6), newcomer)  # seq 2
+        for _ in range(3):  # the step in flight when it came, then the next boundary, with a margin
+            await engine.run_steps(1)
+        steps = [rec.seq_ids for rec in engine.steps]
+        assert any(2 in ids for ids in steps)  # without the rule: not before seq 0 or 1 ends (50 steps)
+        assert ("drop", 1) in engine.events and ("finish", 0) not in engine.events
+        engine.gated = False
+        engine.permits.release(1)  # a step may be waiting for one
+        await wait_all([first, newcomer])
+    assert first.end.reason == newcomer.end.reason == "complete"
+    # The look-ahead segment was made afresh with its own seed offset: the stream's audio is exactly
+    # its two segments', in order, with nothing of the run that gave its place up.
+    again = [r for r in engine.added if r.text == ahead]
+    assert [r.seed_offset for r in again] == [1, 1] and again[1].seq_id == 3
+    expected = np.concatenate([expected_audio(r) for r in engine.added if r.seq_id in (0, 3)])
+    audio = np.concatenate([e.samples for e in first.events if isinstance(e, Audio)])
+    assert np.array_equal(audio, expected)
+
+
+async def test_max_batch_0_takes_the_engines_slots_as_the_batch_limit() -> None:
+    """``--max-batch 0``: the batch limit is the slots the loaded engine states (CUDA: from free memory)."""
+    engine = FakeEngine(step_base_s=0.0, step_per_row_s=0.0)
+    engine._info = dataclasses.replace(engine.info, max_batch=3)
+    async with run_core(engine, max_batch=0, lookahead=0, max_wait_s=0.05) as sched:
+        sinks = [Sink() for _ in range(5)]
+        for i, sink in enumerate(sinks):
+            sched.submit([f"stream {i} speaks for a while."], SynthesisParams(seed=i), sink)
+        await wait_all(sinks)
+    assert all(s.end.reason == "complete" for s in sinks)
+    assert max(len(rec.seq_ids) for rec in engine.steps) == 3

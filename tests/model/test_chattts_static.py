@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from server.engine.chattts.options import EngineOptions
+from server.engine.chattts.setup import kv_slot_bytes
 from server.engine_api import EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
 from tests.model.reference import HostReads, RecordingRunner, plain_generation
@@ -81,6 +82,9 @@ def test_slots_are_the_batch_limit_and_memory_is_stated(engine: Any) -> None:
     assert engine.kv_cache_bytes == expected
     assert engine.info.extra["kv_cache_bytes"] == str(expected)
     assert engine.info.extra["kv_slots"] == "8"
+    assert engine.info.max_batch == 8 and engine.info.extra["kv_slots_from"] == "--max-batch"
+    # The arithmetic that sizes the slots to free memory on CUDA (--max-batch 0) is this layout's.
+    assert expected == 8 * kv_slot_bytes(engine._llama.config, layout.max_len, torch.float32)
     assert engine.info.extra["batch_buckets"] == "1,2,4,8"
     assert engine.free_slots == 8
 

@@ -7,7 +7,7 @@ from server.config import load_settings
 
 
 def test_flag_beats_environment_beats_default() -> None:
-    assert load_settings([], env={}).max_batch == 16
+    assert load_settings([], env={}).max_batch == 0  # sized to the device (tests/unit/test_kv_slots.py)
     assert load_settings([], env={"CHATTTS_MAX_BATCH": "4"}).max_batch == 4
     assert load_settings(["--max-batch", "2"], env={"CHATTTS_MAX_BATCH": "4"}).max_batch == 2
 

@@ -120,7 +120,9 @@ def test_engine_options_maps_the_flags() -> None:
 
 def test_the_flags_defaults_are_the_engines() -> None:
     options = engine_options(load_settings([], env={}))
-    assert options == dataclasses.replace(EngineOptions(), voice_transcript_tokens=transcript_limit(10.0))
+    # --max-batch 0 (the default) leaves the slots to the device: 16 on the CPU, the engine's default.
+    transcript = transcript_limit(10.0)
+    assert options == dataclasses.replace(EngineOptions(), max_batch=None, voice_transcript_tokens=transcript)
     assert options.transcript_tokens == EngineOptions().transcript_tokens
 
 
@@ -131,7 +133,7 @@ def test_the_flags_defaults_are_the_engines() -> None:
         (["--block-schedule", "8,0"], "--block-schedule '8,0': every block must be at least 1 token"),
         (["--prefill-bucket", "0"], "--prefill-bucket 0: must be at least 1 (1: off)"),
         (["--segment-max-tokens", "0"], "--segment-max-tokens 0: must be at least 1"),
-        (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
+        (["--max-batch", "-1"], "--max-batch -1: must be 0 (sized to the device) or more"),
         (["--refine-max-tokens", "-1"], "--refine-max-tokens -1: must be 0 (off) or more"),
         (
             ["--quantum-tokens", "3"],

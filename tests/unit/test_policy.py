@@ -176,6 +176,88 @@ def test_a_gated_look_ahead_steps_while_another_streams_heard_segment_waits_for_
     assert not batch.add and batch.step == (a0, a1)  # a1 must finish to free b0's slot
 
 
+# --- look-ahead yields its place to a newcomer ------------------------------------------------
+
+
+def test_a_look_ahead_ahead_of_real_time_yields_its_place_to_a_newcomer() -> None:
+    policy = make_policy(max_batch=2, lookahead=1, lookahead_lead_s=1.0)
+    add(policy, 0, ["a0 runs long.", "a1."])
+    batch = policy.schedule(0.0)
+    a0, a1 = (r.seq_id for r in batch.add)
+    policy.update(batch, Stepped([audio_result(a0, 3.0)], 0.1), 1.0)  # 3 s out at t = 1
+    batch = policy.schedule(1.0)
+    assert batch.step == (a0, a1)  # 3 s ahead of its listener: the look-ahead steps
+    policy.update(batch, Stepped([result(a0), result(a1, value=7.0)], 0.1), 1.1)  # a1's audio is held
+    add(policy, 1, ["b0 is a newcomer."])
+    batch = policy.schedule(1.2)
+    assert batch.drop == (a1,)  # every place taken: A's look-ahead gives its place up
+    assert [r.text for r in batch.add] == ["b0 is a newcomer."]
+    b0 = batch.add[0].seq_id
+    assert batch.step == (a0, b0)
+    # a0 ends; a1, queued again, is what A's listener waits for and takes the free place ...
+    events = run_step(policy, batch, finished=[a0], now=1.3)
+    a_audio = [float(e.samples[0]) for e in events if isinstance(e, Audio) and e.stream_id == 0]
+    assert a_audio == [0.5]  # a0's last block; nothing of the a1 that gave its place up
+    batch = policy.schedule(1.3)
+    assert [(r.text, r.seed_offset) for r in batch.add] == [("a1.", 1)]  # the same seed: the same audio
+    again = batch.add[0].seq_id
+    # ... and is made afresh: only its new audio goes out, after a0's.
+    events = policy.update(batch, Stepped([result(b0), result(again, finished=True, value=3.0)], 0.1), 1.4)
+    assert [float(e.samples[0]) for e in events if isinstance(e, Audio) and e.stream_id == 0] == [3.0]
+    assert ended(events)[0].reason == "complete"
+
+
+def test_a_look_ahead_whose_stream_is_behind_its_lead_keeps_its_place() -> None:
+    policy = make_policy(max_batch=2, lookahead=1, lookahead_lead_s=1.0)
+    add(policy, 0, ["a0 runs long.", "a1."])
+    batch = policy.schedule(0.0)
+    a0, a1 = (r.seq_id for r in batch.add)
+    policy.update(batch, Stepped([audio_result(a0, 1.5)], 0.1), 1.0)
+    add(policy, 1, ["b0 waits."])
+    batch = policy.schedule(1.6)  # 1.5 s out, 0.6 s played: 0.9 s ahead, under the lead
+    assert batch.drop == () and batch.add == ()
+    assert batch.step == (a0, a1)  # a1 steps to finish and free the place (the gate's rule)
+
+
+def test_a_heard_segment_never_yields_its_place() -> None:
+    policy = make_policy(max_batch=1, lookahead=1, lookahead_lead_s=1.0)
+    add(policy, 0, ["a0 runs long.", "a1."])
+    batch = policy.schedule(0.0)
+    (a0,) = (r.seq_id for r in batch.add)
+    policy.update(batch, Stepped([audio_result(a0, 5.0)], 0.1), 1.0)  # far ahead, but heard
+    add(policy, 1, ["b0 waits."])
+    batch = policy.schedule(1.1)
+    assert batch.drop == () and batch.add == () and batch.step == (a0,)
+
+
+def test_a_closed_loop_of_eight_streams_never_fills_the_cpus_sixteen_places() -> None:
+    """The CPU's c8: 16 places, at most 1 + look-ahead rows a stream, a newcomer only after a stream
+    ends. The yield rule needs a full batch, so it never acts and no look-ahead work is lost."""
+    policy = make_policy(max_batch=16, lookahead=1, lookahead_lead_s=1.0)
+    streams = iter(range(1000))
+
+    def start() -> None:  # streams of 2 to 5 segments, so they come and go out of step
+        stream = next(streams)
+        add(policy, stream, [f"segment {k}." for k in range(2 + stream % 4)])
+
+    for _ in range(8):
+        start()
+    age: dict[int, int] = {}
+    now = 0.0
+    for _ in range(200):
+        now += 0.1
+        batch = policy.schedule(now)
+        assert batch.drop == () and policy.running_count <= 16
+        for seq_id in batch.step:
+            age[seq_id] = age.get(seq_id, 0) + 1
+        # Every row makes 2 s of audio a step (far ahead of real time) and ends after 2 to 4 steps.
+        results = [audio_result(s, 2.0, finished=age[s] >= 2 + s % 3) for s in batch.step]
+        events = policy.update(batch, Stepped(results, 0.1), now)
+        for _ in ended(events):  # a stream ends: its listener's next one starts (closed loop)
+            start()
+    assert next(streams) > 40  # streams came and went throughout
+
+
 # --- admission -----------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.prompt import PromptBuilder, PromptLimits
 from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
 from server.engine.chattts.refine_queue import RefineQueue
-from server.engine.chattts.setup import engine_info, kv_length, log_engine_info, resolve_device, resolve_dtype
+from server.engine.chattts.setup import engine_info, kv_shape, log_engine_info, resolve_device, resolve_dtype
 from server.engine.chattts.step.linear import prepare_projections
 from server.engine.chattts.step.runner import Interrupt, Row, RunnerFactory, SlotBatch, TokenTap
 from server.engine.chattts.step.sampling import seed_of, stream_key
@@ -103,15 +103,9 @@ class ChatTTSEngine:
         self.refine_params = RefineParams(max_new_tokens=self.prompts.limits.refine_tokens)
         # One refinement block per step, as long as the longest speech block: see RefineQueue.
         self._refining = RefineQueue(block_tokens=max(self.block_schedule))
-        self.slots = options.max_batch
         self.segment_max_tokens = options.segment_max_tokens
         self.longest_prompt = self.prompts.longest()
-        self.max_len = kv_length(
-            longest_prompt=self.longest_prompt,
-            prefill_bucket=self.prefill_bucket,
-            segment_max_tokens=self.segment_max_tokens,
-            max_positions=int(cfg.max_position_embeddings),
-        )
+        self.max_len, self.slots = kv_shape(options, cfg, self.longest_prompt, device=device, dtype=dtype)
         self._batch = SlotBatch.for_chat(
             chat,
             self._llama,

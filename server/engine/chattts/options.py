@@ -76,8 +76,10 @@ class EngineOptions:
     """The longest segment the server sends (``--segment-max-chars``): warm-up prefills every
     bucket up to it, and the KV slots are sized for it."""
 
-    max_batch: int = 16
-    """KV slots, the most sequences alive at once (``--max-batch``)."""
+    max_batch: int | None = 16
+    """KV slots, the most sequences alive at once (``--max-batch``). ``None`` (``--max-batch 0``):
+    on CUDA as many as the memory free after loading holds, less a reserve
+    (:func:`server.engine.chattts.setup.kv_slots`); 16 elsewhere."""
 
     segment_max_tokens: int = 2048
     """Token cap of one sequence; with the longest prompt it sets the KV slots' length."""
@@ -127,7 +129,7 @@ class EngineOptions:
             )
         if self.prefill_bucket < 1:
             raise ValueError(f"prefill_bucket {self.prefill_bucket}: must be at least 1 (1: no padding)")
-        if self.max_batch < 1:
+        if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch}: must be at least 1 (KV slots)")
         if self.segment_max_tokens < 1:
             raise ValueError(f"segment_max_tokens {self.segment_max_tokens}: must be at least 1")

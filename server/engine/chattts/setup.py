@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,10 +19,21 @@ from server.engine.chattts.assets import LoadedChat
 from server.engine.chattts.decode import SAMPLES_PER_TOKEN
 from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.prompt import file_identity
+from server.engine.chattts.step.kv import kv_dtype
 from server.engine.chattts.step.runner import SlotBatch
 from server.engine_api import EngineInfo
 
 log = logging.getLogger(__name__)
+
+#: CUDA memory kept free beside the KV slots when they are sized from free memory
+#: (``--max-batch 0``): the captured graphs' memory pools (one per batch bucket and length
+#: bucket), the batched Decoder + Vocos call, prefill, the step's activations and the allocator's
+#: fragmentation. The weights are already loaded, so free memory no longer counts them.
+CUDA_KV_RESERVE_BYTES = 6 * 2**30
+#: KV slots off CUDA when ``--max-batch`` is 0: on the CPU only what live rows write is resident,
+#: and 16 rows are more than one CPU keeps in real time.
+CPU_MAX_BATCH = 16
+FreeMemory = Callable[[torch.device], tuple[int, int]]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +82,67 @@ def kv_length(
 ) -> int:
     """Positions per KV slot: the longest prompt's bucket plus the token cap, within the model's range."""
     return min(max_positions, round_up(longest_prompt, prefill_bucket) + segment_max_tokens)
+
+
+def kv_slot_bytes(config: Any, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV slot: keys and values of every layer, ``max_len`` positions of ``dtype``."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    return 2 * int(config.num_hidden_layers) * kv_heads * max_len * head_dim * dtype.itemsize
+
+
+def slots_in(free_bytes: int, slot_bytes: int, reserve_bytes: int = CUDA_KV_RESERVE_BYTES) -> int:
+    """KV slots of ``slot_bytes`` that fit in ``free_bytes`` once ``reserve_bytes`` are kept (at least 1)."""
+    return max(1, (free_bytes - reserve_bytes) // slot_bytes)
+
+
+def kv_slots(
+    max_batch: int | None,
+    config: Any,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_len: int,
+    free_memory: FreeMemory = torch.cuda.mem_get_info,
+) -> int:
+    """The engine's KV slots: ``max_batch`` when set, else sized to the device.
+
+    On CUDA (``max_batch`` None, ``--max-batch 0``): as many slots of ``max_len`` positions as the
+    memory free now (after the weights were loaded: ``free_memory``, ``torch.cuda.mem_get_info``)
+    holds less :data:`CUDA_KV_RESERVE_BYTES`; logged. Elsewhere :data:`CPU_MAX_BATCH`.
+    """
+    if max_batch is not None:
+        return max_batch
+    if device.type != "cuda":
+        return CPU_MAX_BATCH
+    free, total = free_memory(device)
+    slot = kv_slot_bytes(config, max_len, kv_dtype(dtype, device))
+    slots = slots_in(free, slot)
+    log.info(
+        "KV slots sized to the device (--max-batch 0): %d of %.1f MiB (%d positions) fit in %.2f GiB free "
+        "of %.2f GiB, %.0f GiB kept for graphs, decode and activations",
+        slots,
+        slot / 2**20,
+        max_len,
+        free / 2**30,
+        total / 2**30,
+        CUDA_KV_RESERVE_BYTES / 2**30,
+    )
+    return slots
+
+
+def kv_shape(
+    options: EngineOptions, config: Any, longest_prompt: int, *, device: torch.device, dtype: torch.dtype
+) -> tuple[int, int]:
+    """``(positions per slot, slots)`` of the engine's KV cache (:func:`kv_length`, :func:`kv_slots`)."""
+    max_len = kv_length(
+        longest_prompt=longest_prompt,
+        prefill_bucket=options.prefill_bucket,
+        segment_max_tokens=options.segment_max_tokens,
+        max_positions=int(config.max_position_embeddings),
+    )
+    return max_len, kv_slots(options.max_batch, config, device=device, dtype=dtype, max_len=max_len)
 
 
 def memory_left() -> int | None:
@@ -126,6 +200,10 @@ def engine_info(
         "random_weights": "true" if loaded.random_weights else "false",
         "weights": loaded.weights,
         **batch.describe(),
+        # Who chose the slots: the flag, or (--max-batch 0) the free memory or the CPU's default.
+        "kv_slots_from": "--max-batch"
+        if options.max_batch is not None
+        else ("free memory" if device.type == "cuda" else "the CPU default"),
     }
     dvae = loaded.model_dir / "asset" / "DVAE.safetensors"
     return EngineInfo(
@@ -137,6 +215,7 @@ def engine_info(
         voice_encoder=file_identity(dvae) if options.voice_max_seconds > 0 else None,
         # PromptLimits' text part, as the engine builds them: what the slots and warm-up were sized for.
         max_text_tokens=max(options.warmup_prompt_chars, options.refine_max_tokens),
+        max_batch=batch.layout.slots,
         extra=extra,
     )
 
