@@ -43,9 +43,11 @@ class Answer:
         audio: the audio bytes it sent.
         closed: the server closed the connection (after the answer, or instead of one).
         close_code: the WebSocket close code, when there was one.
+        message: the refusal's words for a person (empty when served).
     """
 
     code: str | None = None
+    message: str = ""
     audio: bytes = b""
     closed: bool = False
     close_code: int | None = None
@@ -305,7 +307,7 @@ class WebSocketFront(FrontEnd):
                         body = json.loads(message)
                         answer.raw.append(body)
                         if body["type"] == "error":
-                            answer.code = body["code"]
+                            answer.code, answer.message = body["code"], body.get("message", "")
                             return answer
                         if body["type"] == "done":
                             return answer
@@ -387,7 +389,7 @@ class OpenAIFront(FrontEnd):
         status, _, body = await _http_raw(self.port(app), _post(self.path, raw.encode()))
         if status == 200:
             return Answer(audio=body)
-        return Answer(code=self.code_of(status, body), raw=[body])
+        return Answer(code=self.code_of(status, body), message=self.message_of(body), raw=[body])
 
     @staticmethod
     def code_of(status: int, body: bytes) -> str:
@@ -396,6 +398,13 @@ class OpenAIFront(FrontEnd):
         except (ValueError, KeyError, TypeError):
             return str(status)
         return str(error.get("code") or error.get("type") or status)
+
+    @staticmethod
+    def message_of(body: bytes) -> str:
+        try:
+            return str(json.loads(body)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return body.decode("utf-8", "replace")
 
     async def trickle(self, app: App) -> bytes:
         body = self.request("Slowly.").encode()
@@ -485,6 +494,13 @@ class ElevenLabsRestFront(OpenAIFront):
             return str(status)
         return str(detail.get("status") or status)
 
+    @staticmethod
+    def message_of(body: bytes) -> str:
+        try:
+            return str(json.loads(body)["detail"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return body.decode("utf-8", "replace")
+
 
 class ElevenLabsSocketFront(FrontEnd):
     """``/v1/text-to-speech/{voice_id}/multi-stream-input``: contexts of text in, audio out."""
@@ -510,6 +526,9 @@ class ElevenLabsSocketFront(FrontEnd):
         answer = Answer()
         async with aiohttp.ClientSession() as session, session.ws_connect(self.url(app)) as ws:
             await ws.send_str(raw)
+            # A bare flush then close_context: the end of a turn as pipecat sends it (a close
+            # without the bare flush is an interruption, which cancels the turn).
+            await ws.send_str('{"text": "", "context_id": "c", "flush": true}')
             await ws.send_str('{"context_id": "c", "close_context": true}')
             async with asyncio.timeout(DEADLINE_S):
                 async for message in ws:
@@ -520,7 +539,7 @@ class ElevenLabsSocketFront(FrontEnd):
                     if body.get("audio"):
                         answer.audio += base64.b64decode(body["audio"])
                     if "error" in body:
-                        answer.code = body["error"]
+                        answer.code, answer.message = body["error"], body.get("message", "")
                     if body.get("isFinal") is True:
                         break
             if ws.closed:
@@ -629,7 +648,7 @@ class WyomingFront(FrontEnd):
                     if header["type"] == "audio-chunk":
                         answer.audio += payload
                     elif header["type"] == "error":
-                        answer.code = data.get("code", "error")
+                        answer.code, answer.message = data.get("code", "error"), data.get("text", "")
                     elif header["type"] == "audio-stop":
                         break
                     if header["type"] == "error":

@@ -22,7 +22,7 @@ import pytest
 
 from server.app import App
 from tests.integration.battery import DEADLINE_S, DEEP, FRONT_ENDS, LONG_TEXT, FrontEnd
-from tests.integration.conftest import MakeApp, wait_until
+from tests.integration.conftest import MakeApp, fake_engine, wait_until
 from tests.wsclient import stream_payload
 
 #: Short deadlines so that the slow cases end in seconds; a resume TTL of 1 s so that a dropped
@@ -67,9 +67,14 @@ async def normal_client(app: App) -> AsyncIterator[list[bytes]]:
 
 
 async def served_and_clean(app: App, front: FrontEnd) -> None:
-    """After a case: the front end still serves, and no stream is left behind."""
+    """After a case: the front end still serves, and no stream is left behind.
+
+    Both counts must come back to 0: the server's streams (``chattts_active_streams``) and the
+    engine's sequences (a stream freed in the gauge but still generating would leak the slot).
+    """
     assert await front.speak(app)
-    await wait_until(lambda: active_streams(app) == 0, timeout=DEADLINE_S)
+    engine = fake_engine(app)
+    await wait_until(lambda: active_streams(app) == 0 and engine.live_sequences == 0, timeout=DEADLINE_S)
 
 
 def fronts() -> list[object]:
@@ -83,23 +88,30 @@ async def battery_app(make_app: MakeApp, request: pytest.FixtureRequest) -> App:
     return app
 
 
-@pytest.mark.parametrize("front", fronts())
-async def test_deep_json_is_a_clear_refusal(battery_app: App, front: FrontEnd) -> None:
-    app = battery_app
-    async with normal_client(app):
-        answer = await front.exchange(app, front.request("Hi.", '"extra": ' + DEEP))
-        assert answer.code in BAD, (front.name, answer.code, answer.raw[:2])
-    await served_and_clean(app, front)
+#: (what, the hostile JSON value, words its refusal must have): each inside the size limit.
+HOSTILE = [
+    ("20 000 levels deep", DEEP, "--max-json-depth"),
+    ("a float that overflows", "1e400", "out of range"),
+    ("a negative float that overflows", "-1e400", "out of range"),
+    ("a 5000-digit integer", "9" * 5000, "out of range"),
+    ("a 25-digit integer", "1" + "0" * 24, "out of range"),
+    ("an exponent of 30 digits", "1e" + "0" * 29 + "1", "out of range"),
+]
 
 
 @pytest.mark.parametrize("front", fronts())
-@pytest.mark.parametrize("number", ["1e400", "-1e400", "1" * 5000])
-async def test_huge_numbers_are_a_clear_refusal(battery_app: App, front: FrontEnd, number: str) -> None:
+@pytest.mark.parametrize(("what", "value", "words"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_hostile_json_and_numbers_are_a_clear_refusal(
+    battery_app: App, front: FrontEnd, what: str, value: str, words: str
+) -> None:
     app = battery_app
     async with normal_client(app):
-        for raw in front.number_requests(number):
+        for raw in front.number_requests(value):
             answer = await front.exchange(app, raw)
-            assert answer.code in BAD, (front.name, raw[:120], answer.code, answer.raw[:2])
+            assert answer.code in BAD, (front.name, what, answer.code, answer.raw[:2])
+            # The refusal says what was wrong, and does not quote the input back.
+            assert words in answer.message, (front.name, what, answer.message[:200])
+            assert len(answer.message) < 400, (front.name, what, answer.message[:100])
     await served_and_clean(app, front)
 
 

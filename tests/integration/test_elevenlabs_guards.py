@@ -1,13 +1,10 @@
-"""Issue 42, findings 5 and 9: hostile JSON and numbers get a clear error on every front end.
+"""Issue 42, findings 5 and 9: the ElevenLabs-only input rules.
 
-Every front end decodes through ``server/frontends/messages.py`` (nesting, then the number
-bound, then msgspec), so the battery below is parametrized over all of them: the WebSocket,
-the OpenAI HTTP body, the ElevenLabs REST body and WebSocket, and Wyoming. Each hostile value
-gets that front end's own clear error (never a 500, a dropped socket or a traceback), and the
-same front end then still speaks to a normal client. A new front end joins by adding itself
-to ``FRONT_ENDS``. Then the ElevenLabs-only rules: its query numbers (``?seed=²``, 5000
-digits), ``voice_settings`` of the wrong shape, and its invalid-message budget (close 1008,
-as ``/v1/stream``).
+The rules every front end shares (hostile JSON and numbers, floods, slow senders, clients
+cut off mid-turn) are checked once for all of them by ``tests/integration/test_battery.py``.
+Here are the rules only ElevenLabs has: its query numbers (``?seed=²``, 5000 digits),
+``voice_settings`` of the wrong shape, and its invalid-message budget on both of its
+WebSocket routes (close 1008, as ``/v1/stream``).
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -23,86 +19,13 @@ import pytest
 
 from server.app import App
 from tests.integration.conftest import MakeApp
-from tests.integration.test_hostile_input import assert_wyoming_serves, wyoming_answer
-from tests.integration.test_wyoming import WYOMING
-from tests.wsclient import open_client, recv_json, stream_payload
 
 TIMEOUT_S = 30.0
 NORMAL = "Still serving everyone."
 
-#: (what, the hostile JSON value, words the error must have)
-HOSTILE = [
-    ("5000 levels deep", "[" * 5000 + "]" * 5000, "--max-json-depth"),
-    ("a float that overflows", "1e400", "out of range"),
-    ("a negative float that overflows", "-1e400", "out of range"),
-    ("a 5000-digit integer", "9" * 5000, "out of range"),
-    ("a 25-digit integer", "1" + "0" * 24, "out of range"),
-    ("an exponent of 30 digits", "1e" + "0" * 29 + "1", "out of range"),
-]
-
 
 def _eleven(app: App) -> str:
     return f"http://127.0.0.1:{app.http_port}/v1/text-to-speech/default"
-
-
-async def _websocket(app: App, value: str) -> str:
-    """``/v1/stream``: the value as a ``start``'s speed; then the same connection speaks."""
-    ws, _ = await open_client(app.port)
-    try:
-        await ws.send('{"type": "start", "id": "h", "text": "Hi.", "speed": ' + value + "}")
-        error = await recv_json(ws)
-        assert error["type"] == "error" and error["code"] == "bad_request", error
-        return str(error["message"])
-    finally:
-        await ws.close()
-
-
-async def _websocket_serves(app: App) -> None:
-    assert await stream_payload(app.port, text=NORMAL, seed=1)
-
-
-async def _openai(app: App, value: str) -> str:
-    url = f"http://127.0.0.1:{app.http_port}/v1/audio/speech"
-    body = '{"input": "Hi.", "response_format": "pcm", "speed": ' + value + "}"
-    async with aiohttp.ClientSession() as s, s.post(url, data=body) as response:
-        assert response.status == 400, await response.text()
-        return str((await response.json())["error"]["message"])
-
-
-async def _openai_serves(app: App) -> None:
-    url = f"http://127.0.0.1:{app.http_port}/v1/audio/speech"
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(url, json={"input": NORMAL, "response_format": "pcm"}) as r,
-    ):
-        assert r.status == 200 and await r.read()
-
-
-async def _eleven_rest(app: App, value: str) -> str:
-    body = '{"text": "Hi.", "voice_settings": {"speed": ' + value + "}}"
-    async with aiohttp.ClientSession() as s, s.post(_eleven(app), data=body) as response:
-        assert response.status == 400, await response.text()
-        return str((await response.json())["detail"]["message"])
-
-
-async def _eleven_rest_serves(app: App) -> None:
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(_eleven(app) + "?output_format=pcm_24000", json={"text": NORMAL}) as response,
-    ):
-        assert response.status == 200 and await response.read()
-
-
-async def _eleven_socket(app: App, value: str) -> str:
-    """The ElevenLabs WebSocket: the value in a context's voice_settings; then the same socket speaks."""
-    url = _eleven(app).replace("http", "ws") + "/multi-stream-input?output_format=pcm_24000"
-    async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
-        await ws.send_str('{"text": " ", "context_id": "h", "voice_settings": {"speed": ' + value + "}}")
-        async with asyncio.timeout(TIMEOUT_S):
-            error = json.loads((await ws.receive()).data)
-        assert error.get("error") == "bad_request", error
-        await _speak_on(ws, "n")
-        return str(error["message"])
 
 
 async def _speak_on(ws: aiohttp.ClientWebSocketResponse, context: str) -> None:
@@ -126,42 +49,6 @@ async def _speak_on(ws: aiohttp.ClientWebSocketResponse, context: str) -> None:
             if got.get("isFinal") is True:
                 break
     assert audio
-
-
-async def _eleven_socket_serves(app: App) -> None:
-    url = _eleven(app).replace("http", "ws") + "/multi-stream-input?output_format=pcm_24000"
-    async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
-        await _speak_on(ws, "ok")
-
-
-async def _wyoming(app: App, value: str) -> str:
-    raw = ('{"type": "synthesize", "data": {"text": "Hi.", "speed": ' + value + "}}\n").encode()
-    answer = await wyoming_answer(app, raw)
-    assert answer["code"] == "bad_request", answer
-    return str(answer["text"])
-
-
-#: Every front end that decodes a client's JSON: how to send it a value, how a normal client fares.
-FRONT_ENDS: dict[str, tuple[Callable[[App, str], Awaitable[str]], Callable[[App], Awaitable[None]]]] = {
-    "websocket": (_websocket, _websocket_serves),
-    "openai": (_openai, _openai_serves),
-    "elevenlabs-rest": (_eleven_rest, _eleven_rest_serves),
-    "elevenlabs-websocket": (_eleven_socket, _eleven_socket_serves),
-    "wyoming": (_wyoming, assert_wyoming_serves),
-}
-
-
-@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
-async def test_hostile_json_and_numbers_get_a_clear_error_on_every_front_end(
-    make_app: MakeApp, front_end: str
-) -> None:
-    app = await make_app(*WYOMING)
-    refuse, serves = FRONT_ENDS[front_end]
-    for what, value, words in HOSTILE:
-        message = await refuse(app, value)
-        assert words in message, f"{front_end}, {what}: {message}"
-        assert len(message) < 400, f"{front_end}, {what}: the error quotes the input: {message[:100]}…"
-    await serves(app)
 
 
 # --- the ElevenLabs query numbers and voice_settings --------------------------------------------
