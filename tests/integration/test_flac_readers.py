@@ -23,6 +23,8 @@ import soundfile as sf
 
 from server.app import App
 from server.audio.flac import FLAC_HEADER_BYTES
+from server.engine.fake import FAIL_MARKER
+from tests.integration.conftest import wait_until
 from tests.wsclient import stream_payload
 
 TEXT = "A whole FLAC file, read back in Python."
@@ -128,6 +130,21 @@ async def test_stream_false_gives_any_format_its_complete_file(app: App) -> None
     complete, complete_headers = await speech(app, "mp3", stream=False)
     assert live_headers["Transfer-Encoding"] == "chunked" and "Content-Length" not in live_headers
     assert complete == live and int(complete_headers["Content-Length"]) == len(live)
+
+
+async def test_a_complete_response_that_fails_after_audio_is_a_json_error(make_app: Any) -> None:
+    # Live, the same request would be cut off after its first sentence's audio (a 200 and a
+    # truncated body); complete, nothing went out yet, so the client gets the error itself.
+    app: App = await make_app("--segment-lookahead", "0")
+    text = f"This first sentence is fine and long enough for a few blocks. Then {FAIL_MARKER} fails."
+    url = f"http://127.0.0.1:{app.http_port}/v1/audio/speech"
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, json={"input": text, "response_format": "flac"}) as response,
+    ):
+        assert response.status == 500
+        assert (await response.json())["error"]["code"] == "engine_error"
+    await wait_until(lambda: len(app.service.registry) == 0 and app.service.budget.total == 0)
 
 
 async def test_stream_must_be_a_boolean(app: App) -> None:
