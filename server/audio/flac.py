@@ -13,7 +13,12 @@ bytes written at the end go out, the patches at earlier offsets are dropped.
 The STREAMINFO that was sent keeps 0 in those fields, which the FLAC format
 defines as "unknown" (what any live FLAC stream carries); decoders read the
 frames normally. The first payload holds ``fLaC``, the metadata and the first
-frame; concatenating all payloads gives a valid .flac file.
+frame; concatenating all payloads gives a valid .flac file. libsndfile
+(``soundfile``), though, cannot open a FLAC file of unknown length (it takes it
+as 2^63 - 1 frames), so a sender that holds the whole file before sending it
+(the HTTP API's complete response) writes the length in with
+:func:`with_total_samples`; the frame sizes and MD5 stay "unknown", which every
+decoder accepts (the length is what libsndfile needs).
 
 Sample accounting: FLAC is lossless with no delay, so a frame's ``samples``
 are the samples its complete FLAC frames hold (each wire frame carries what
@@ -44,6 +49,39 @@ def empty_flac(sample_rate: int) -> bytes:
     info += ((sample_rate << 44) | (0 << 41) | (15 << 36)).to_bytes(8, "big")  # rate, mono, 16 bit, 0
     info += bytes(16)  # MD5 unknown
     return b"fLaC" + bytes((0x80,)) + len(info).to_bytes(3, "big") + info
+
+
+#: Where STREAMINFO's fields start: after ``fLaC`` and its 4-byte metadata block header.
+_STREAMINFO_AT = 8
+#: STREAMINFO's length in bytes (RFC 9639, section 8.2).
+_STREAMINFO_BYTES = 34
+#: STREAMINFO's total samples: the low 36 bits of the 8 bytes that start 10 bytes in.
+_TOTAL_AT = _STREAMINFO_AT + 10
+_TOTAL_BITS = 36
+#: The bytes a FLAC file starts with up to STREAMINFO's end (what :func:`with_total_samples` needs).
+FLAC_HEADER_BYTES = _STREAMINFO_AT + _STREAMINFO_BYTES
+
+
+def with_total_samples(data: bytes, total_samples: int) -> bytes:
+    """``data`` (a FLAC file's first bytes, or all of it) with STREAMINFO's total samples set.
+
+    Only the 8 bytes that hold the field change; the rest is copied as it is.
+
+    Raises:
+        ValueError: ``data`` does not start with ``fLaC`` and a STREAMINFO block, or the
+            length does not fit the field's 36 bits.
+    """
+    header = data[:FLAC_HEADER_BYTES]
+    size = int.from_bytes(header[5:8], "big") if len(header) >= 8 else 0
+    if len(header) < FLAC_HEADER_BYTES or header[:4] != b"fLaC" or header[4] & 0x7F != 0:
+        raise ValueError("not a FLAC stream that starts with its STREAMINFO block")
+    if size != _STREAMINFO_BYTES:
+        raise ValueError(f"STREAMINFO is {size} bytes long, not {_STREAMINFO_BYTES}")
+    if not 0 <= total_samples < 1 << _TOTAL_BITS:
+        raise ValueError(f"{total_samples} samples do not fit FLAC's 36-bit length")
+    field = int.from_bytes(data[_TOTAL_AT : _TOTAL_AT + 8], "big")
+    field = field >> _TOTAL_BITS << _TOTAL_BITS | total_samples  # rate, channels, bits stay
+    return data[:_TOTAL_AT] + field.to_bytes(8, "big") + data[_TOTAL_AT + 8 :]
 
 
 class _ForwardSink(io.RawIOBase):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,15 @@ class Outbox:
         self._sent_samples = sample
         self._skip_through = skip_through
         self._evicted_position = max(self._evicted_position, skip_through)
+
+    def hold_until_ended(self) -> None:
+        """Its sender sends nothing before the stream ends (a complete HTTP response).
+
+        Every item then waits unsent until the end, however long the audio: ``max_unsent_s``
+        (meant for a reader that falls behind a live stream) no longer applies; the memory
+        budget, which counts every item held, bounds it.
+        """
+        self._max_unsent_samples = sys.maxsize
 
     # --- producing -----------------------------------------------------------
 

@@ -298,7 +298,9 @@ class Stream:
 
     # --- sending -----------------------------------------------------------------------
 
-    async def deliver(self, lease: Lease, index: int) -> AsyncGenerator[list[OutItem], None]:
+    async def deliver(
+        self, lease: Lease, index: int, *, whole: bool = False
+    ) -> AsyncGenerator[list[OutItem], None]:
         """The one outbox reader: every ready run of items from ``index``, in order, pulled by the sender.
 
         The sender (``lease``'s front end) iterates and puts each run on its wire; asking
@@ -307,11 +309,14 @@ class Stream:
         The iteration ends after ``done`` went out (the stream is then delivered: kept
         for the TTL, or freed) or when the stream moves to another sender. Iterate it
         under ``contextlib.aclosing`` so that a failed sender closes it at once.
+        ``whole``: one run, every item, once the stream has ended (:meth:`Outbox.hold_until_ended`).
         """
         outbox = self.outbox
+        if whole:
+            outbox.hold_until_ended()
         while not lease.revoked:
             items = outbox.ready(index)
-            if not items:
+            if not items or (whole and not outbox.ended):
                 if outbox.ended:
                     break
                 await outbox.wait_change()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import subprocess
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
 from openai import AsyncOpenAI
 
 from server.app import App
@@ -51,7 +53,7 @@ async def openai_stream(app: App, tmp_path: Path, fmt: str, **extra: Any) -> tup
 
 
 async def test_openai_client_streams_flac_losslessly(app: App, tmp_path: Path) -> None:
-    got, content_type = await openai_stream(app, tmp_path, "flac")
+    got, content_type = await openai_stream(app, tmp_path, "flac", stream=True)  # live, on request
     assert content_type == "audio/flac"
     reference = np.frombuffer(
         await ws_payload(app, text=TEXT, seed=7, voice=OPENAI_VOICES["echo"], format="pcm16"), "<i2"
@@ -59,6 +61,19 @@ async def test_openai_client_streams_flac_losslessly(app: App, tmp_path: Path) -
     assert probe_rate(got, "flac") == 24_000
     decoded = np.rint(ffmpeg(got, "flac") * 32768).astype(np.int64)
     assert len(decoded) == len(reference) and np.array_equal(decoded, reference)  # exact length, lossless
+
+
+async def test_openai_client_gets_a_complete_flac_that_soundfile_reads(app: App) -> None:
+    async with AsyncOpenAI(base_url=base_url(app), api_key="x", max_retries=0) as oai:
+        response = await oai.audio.speech.create(
+            model="tts-1", voice="echo", input=TEXT, response_format="flac", extra_body={"seed": 7}
+        )
+    assert response.response.headers["content-length"] == str(len(response.content))
+    reference = np.frombuffer(
+        await ws_payload(app, text=TEXT, seed=7, voice=OPENAI_VOICES["echo"], format="pcm16"), "<i2"
+    )
+    audio, rate = soundfile.read(io.BytesIO(response.content), dtype="int16")
+    assert rate == 24_000 and len(audio) == len(reference) and np.array_equal(audio, reference)
 
 
 async def test_openai_client_streams_mp3_within_a_frame(app: App, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from server.engine.fake import FAIL_MARKER, expected_audio
 from server.engine_api import SequenceRequest, SynthesisParams
 from server.errors import StartupError
 from server.frontends.common import OPENAI_VOICES
-from server.frontends.http.api import wav_header
+from server.frontends.http.files import wav_header
 from server.text.segments import split_segments
 from tests.integration.conftest import fake_engine, fake_settings, wait_until
 from tests.serverproc import free_port

@@ -6,12 +6,15 @@ Only loopback traffic is allowed here: the server must never reach for the hub.
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
+from openai import AsyncOpenAI
 from wyoming.audio import AudioChunk, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
@@ -20,6 +23,7 @@ import chattts_stream_client as cs
 from server.app import App
 from tests.integration.conftest import wait_until
 from tests.integration.test_client_py import raw_stream
+from tests.integration.test_http_speech import base_url
 from tests.integration.test_resume import broken_run, unbroken
 from tests.tcp_proxy import CuttableProxy
 from tests.wsclient import collect, open_client, start
@@ -136,6 +140,18 @@ async def test_wyoming_with_the_tiny_model(model_app: App) -> None:
                 assert event.type in ("audio-start", "audio-chunk", "audio-stop"), event
                 audio += AudioChunk.from_event(event).audio if AudioChunk.is_type(event.type) else b""
         assert event is not None and audio == expected and len(audio) > 0
+
+
+async def test_a_complete_flac_from_the_http_api_opens_in_soundfile(model_app: App) -> None:
+    """``flac`` from the OpenAI endpoint is the complete file: soundfile reads the model's samples."""
+    reference = await raw_stream(model_app.port, text=TEXT, seed=5, voice="seed:7", format="pcm16")
+    expected = np.frombuffer(b"".join(data for _, _, _, data in reference[0]), "<i2")
+    async with AsyncOpenAI(base_url=base_url(model_app), api_key="x", max_retries=0, timeout=120) as oai:
+        response = await oai.audio.speech.create(
+            model="tts-1", voice="seed:7", input=TEXT, response_format="flac", extra_body={"seed": 5}
+        )
+    audio, rate = soundfile.read(io.BytesIO(response.content), dtype="int16")
+    assert rate == 24_000 and len(audio) == len(expected) > 0 and np.array_equal(audio, expected)
 
 
 def _tokens(app: App) -> int:

@@ -11,7 +11,7 @@ import soundfile
 
 from server.audio import make_encoder
 from server.audio.base import EncodedFrame
-from server.audio.flac import FLAC_BLOCK, FlacEncoder
+from server.audio.flac import FLAC_BLOCK, FLAC_HEADER_BYTES, FlacEncoder, with_total_samples
 from server.audio.mp3 import (
     DECODER_DELAY,
     ENCODER_DELAY,
@@ -164,6 +164,31 @@ def test_flac_of_an_empty_stream_is_a_valid_file() -> None:
     frames = FlacEncoder(24_000).finish()
     assert len(frames) == 1 and frames[0].samples == 0 and frames[0].payload[:4] == b"fLaC"
     assert len(ffmpeg_decode(frames[0].payload, "flac")) == 0
+
+
+@pytest.mark.parametrize("rate", [8_000, 48_000])
+def test_a_flac_stream_with_its_length_written_in_opens_in_soundfile(rate: int) -> None:
+    audio = signal(rate)
+    data = b"".join(f.payload for f in encode(FlacEncoder(rate), audio, 1000))
+    with pytest.raises((ValueError, soundfile.LibsndfileError)):  # length 0: "unknown"
+        soundfile.read(io.BytesIO(data))
+    complete = with_total_samples(data, len(audio))
+    assert len(complete) == len(data) and complete[:18] == data[:18] and complete[26:] == data[26:]
+    decoded, got_rate = soundfile.read(io.BytesIO(complete), dtype="int16")
+    assert got_rate == rate and np.array_equal(decoded, to_pcm16(audio))
+
+
+def test_with_total_samples_refuses_what_is_not_a_flac_header() -> None:
+    data = b"".join(f.payload for f in encode(FlacEncoder(24_000), signal(24_000), 5000))
+    with pytest.raises(ValueError, match="not a FLAC stream"):
+        with_total_samples(b"RIFF" + data[4:], 10)
+    with pytest.raises(ValueError, match="not a FLAC stream"):
+        with_total_samples(data[: FLAC_HEADER_BYTES - 1], 10)  # STREAMINFO cut short
+    with pytest.raises(ValueError, match="36-bit"):
+        with_total_samples(data, 1 << 36)
+    # The largest: the low 36 of the 64 bits at byte 18 (rate, channels and bits above them stay).
+    field = with_total_samples(data, (1 << 36) - 1)[18:26]
+    assert field[:3] == data[18:21] and field[3] == data[21] | 0x0F and field[4:] == b"\xff" * 4
 
 
 # --- mulaw -------------------------------------------------------------------------------

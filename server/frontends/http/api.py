@@ -4,7 +4,9 @@
 :class:`~server.streams.request.SpeechRequest` and opens one more stream through
 :class:`~server.streams.service.SpeechService` (same validation, limits, engine and
 encoders as the WebSocket path). The audio goes out as a chunked body while
-it is generated, read by the service's one outbox reader (I/O glue only).
+it is generated, or (``"stream": false``, FLAC's default) as the complete file with its
+length once the stream has ended (:mod:`server.frontends.http.files`), read by the service's
+one outbox reader (I/O glue only). The body's meaning is :mod:`server.frontends.http.speech_body`.
 A client that disconnects cancels its stream: HTTP streams cannot be
 resumed, so they are freed at once. ``GET /v1/models`` and
 ``GET /v1/audio/voices`` are for discovery. Errors use OpenAI's shape,
@@ -15,33 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import socket
-import struct
 from contextlib import aclosing
 from typing import Final
 
-import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from server.config import Settings
 from server.errors import ServiceError
-from server.frontends import messages
 from server.frontends.access import AccessDenied, AccessGate, tenant_of
 from server.frontends.codes import code_of
-from server.frontends.common import (
-    OPENAI_VOICES,
-    RefinePrompt,
-    Seed,
-    SendAborted,
-    ServerInfo,
-    Temperature,
-    TopK,
-    TopP,
-    abort_transport,
-    send_within,
-)
+from server.frontends.common import OPENAI_VOICES, SendAborted, ServerInfo, abort_transport, send_within
 from server.frontends.elevenlabs.routes import PREFIX as ELEVENLABS_PREFIX
 from server.frontends.elevenlabs.routes import ElevenLabsApi
 from server.frontends.http.accesslog import SERVER_LOG, RedactedAccessLogger
@@ -54,86 +41,19 @@ from server.frontends.http.common import (
     service_error,
 )
 from server.frontends.http.cors import Cors
+from server.frontends.http.files import complete_file, live_head, pieces
+from server.frontends.http.speech_body import FORMATS, MODELS, BodyError, parse_body, speech_request
 from server.frontends.http.transfer import BodyRefused, read_body, streamed_response
 from server.frontends.http.voices import VoicesApi
-from server.frontends.messages import BadMessage
 from server.frontends.ports import GuardedProtocol, PortGuard
 from server.metrics import Metrics
-from server.streams.items import Failure, Frame
-from server.streams.request import SpeechRequest
+from server.streams.items import Done, Failure, Frame
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
 
 log = logging.getLogger(__name__)
-
-#: OpenAI ``response_format`` → (our format, default rate, Content-Type). OpenAI's ``opus`` is Ogg Opus.
-FORMATS: Final = {
-    "pcm": ("pcm16", 24_000, "audio/pcm"),
-    "wav": ("pcm16", 24_000, "audio/wav"),
-    "opus": ("ogg", 24_000, "audio/ogg; codecs=opus"),
-    "mp3": ("mp3", 24_000, "audio/mpeg"),
-    "flac": ("flac", 24_000, "audio/flac"),
-    # Not OpenAI's: G.711 μ-law for telephony; audio/basic is 8 kHz mono μ-law (RFC 2046).
-    "mulaw": ("mulaw", 8_000, "audio/basic"),
-}
-#: OpenAI's default. (``aac`` is not produced: see docs/protocol.md, Formats.)
-DEFAULT_FORMAT: Final = "mp3"
-#: Model names accepted (any string is; these are advertised). All are the same ChatTTS model.
-MODELS: Final = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-#: OpenAI's speed range; values inside it are clamped to ours (0.5–2.0).
-OPENAI_SPEED: Final = (0.25, 4.0)
-OUR_SPEED: Final = (0.5, 2.0)
-
-
-class VoiceRef(msgspec.Struct, forbid_unknown_fields=False):
-    """OpenAI's custom-voice object form, ``{"id": "..."}``."""
-
-    id: str
-
-
-class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):
-    """The body of ``POST /v1/audio/speech``; unknown fields are ignored."""
-
-    input: str
-    model: str = "chattts"
-    voice: str | VoiceRef = "alloy"
-    response_format: str = DEFAULT_FORMAT
-    speed: float = 1.0
-    instructions: str | None = None  # accepted; ChatTTS has no instruction control
-    stream_format: str = "audio"
-    seed: Seed | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    sample_rate: int | None = None  # extension: 16000, 24000 or 48000
-    refine: bool = False  # extension: ChatTTS's refinement pass first
-    refine_prompt: RefinePrompt = ""  # extension: its controls, "[oral_2][laugh_0][break_6]"
-
-
-_decoder: Final = msgspec.json.Decoder(SpeechBody)
-_PARAM = re.compile(r"\$\.(\w+)|field `(\w+)`")
-
-
-def wav_header(sample_rate: int) -> bytes:
-    """A 16-bit mono WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
-    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    unknown = struct.pack("<I", 0xFFFFFFFF)
-    return b"RIFF" + unknown + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + unknown
-
-
-def _param_of(text: str) -> str | None:
-    match = _PARAM.search(text)
-    return (match.group(1) or match.group(2)) if match else None
-
-
-class BodyError(Exception):
-    """A request body problem, naming the offending field (OpenAI's ``param``)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
+#: A complete response goes out in writes of about this many bytes, each within ``--send-timeout-s``.
+COMPLETE_WRITE_BYTES: Final = 64 * 1024
 
 
 class _ClientGone(Exception):
@@ -272,16 +192,16 @@ class HttpApi:
     # --- speech --------------------------------------------------------------------
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/audio/speech``: validate, open a stream, send its audio as it comes."""
+        """``POST /v1/audio/speech``: validate, open a stream, send its audio (live or complete)."""
         lease = Lease(lambda reason: self._abort(request, reason))
         try:
             self.service.check_accepting()
             s = self.settings
             raw = await read_body(request, max_bytes=s.max_message_bytes, timeout_s=s.body_timeout_s)
-            body, fmt = _parse(raw, self.settings.max_json_depth)
+            body = parse_body(raw, self.settings.max_json_depth)
             client = request[CLIENT]
             stream = self.service.open(
-                _request_of(body, fmt), lease, resumable=False, client=client, owner=tenant_of(client)
+                speech_request(body), lease, resumable=False, client=client, owner=tenant_of(client)
             )
         except BodyRefused as refused:
             return body_refused(self.metrics, refused)
@@ -290,15 +210,17 @@ class HttpApi:
         except ServiceError as exc:
             return service_error(exc, self.metrics)
         try:
-            return await self._send_audio(request, stream, lease, FORMATS[fmt][2])
+            if body.live:
+                return await self._send_live(request, stream, lease, body.response_format)
+            return await self._send_complete(request, stream, lease, body.response_format)
         except _ClientGone:
             return web.Response()  # never sent: aiohttp finds the connection gone
         finally:
             # Cancelled too (client gone, server stopping): nothing can resume an HTTP stream.
             self.service.abandon(stream)
 
-    async def _send_audio(
-        self, request: web.Request, stream: Stream, lease: Lease, content_type: str
+    async def _send_live(
+        self, request: web.Request, stream: Stream, lease: Lease, response_format: str
     ) -> web.StreamResponse:
         """Send every frame payload as it appears; all ready frames go out in one chunk.
 
@@ -306,8 +228,7 @@ class HttpApi:
         JSON error; one that fails later is cut off (the chunked body never ends cleanly).
         """
         outbox = stream.outbox
-        response = streamed_response(request, content_type)
-
+        response = streamed_response(request, FORMATS[response_format][2])
         try:
             async with aclosing(stream.deliver(lease, outbox.sent_index)) as runs:
                 async for items in runs:
@@ -320,15 +241,58 @@ class HttpApi:
                     if chunk or (outbox.ended and not response.prepared):
                         if not response.prepared:
                             await response.prepare(request)
-                            if content_type == "audio/wav":
-                                chunk[:0] = wav_header(outbox.sample_rate)
+                            chunk[:0] = live_head(response_format, outbox.sample_rate)
                         await self._write(request, response, bytes(chunk))
         except _StreamFailed as failed:
-            if not response.prepared:
-                return service_error(failed.error, self.metrics)
-            self.metrics.errors.labels(code=code_of(failed.error)).inc()
-            self._abort(request, f"stream failed: {code_of(failed.error)}")
-            raise _ClientGone from None
+            return self._failed(request, response, failed.error)
+        return await self._end(response)
+
+    async def _send_complete(
+        self, request: web.Request, stream: Stream, lease: Lease, response_format: str
+    ) -> web.StreamResponse:
+        """Send the whole file with its length (``Content-Length``) once the stream has ended.
+
+        Until then the stream's outbox holds every item, counted in the memory budget like any
+        unsent audio (:meth:`Outbox.hold_until_ended <server.streams.outbox.Outbox>`); a stream
+        that fails gets a JSON error, never a short file.
+        """
+        response = web.StreamResponse(
+            headers={"Content-Type": FORMATS[response_format][2], "Cache-Control": "no-store"}
+        )
+        try:
+            async with aclosing(stream.deliver(lease, stream.outbox.sent_index, whole=True)) as runs:
+                async for items in runs:  # one run: every item, the stream has ended
+                    if failed := next((item for item in items if isinstance(item, Failure)), None):
+                        raise _StreamFailed(failed.error)
+                    payloads = [item.payload for item in items if isinstance(item, Frame)]
+                    samples = next((item.samples for item in items if isinstance(item, Done)), 0)
+                    parts = complete_file(response_format, payloads, samples, stream.sample_rate)
+                    response.content_length = sum(map(len, parts))
+                    await response.prepare(request)
+                    for piece in pieces(parts, COMPLETE_WRITE_BYTES):
+                        await self._write(request, response, piece)
+        except _StreamFailed as failed:
+            return self._failed(request, response, failed.error)
+        return await self._end(response)
+
+    def _failed(
+        self, request: web.Request, response: web.StreamResponse, error: ServiceError
+    ) -> web.Response:
+        """A failed stream: its JSON error if nothing was sent yet, else the connection is cut.
+
+        Raises:
+            _ClientGone: the headers had gone out (the connection is aborted).
+        """
+        if not response.prepared:
+            return service_error(error, self.metrics)
+        self.metrics.errors.labels(code=code_of(error)).inc()
+        self._abort(request, f"stream failed: {code_of(error)}")
+        raise _ClientGone from None
+
+    @staticmethod
+    async def _end(response: web.StreamResponse) -> web.StreamResponse:
+        if not response.prepared:  # the stream was freed before its audio (the memory budget)
+            raise _ClientGone  # and its connection aborted
         try:
             await response.write_eof()
         except ConnectionError:
@@ -346,46 +310,3 @@ class HttpApi:
     def _abort(self, request: web.Request, reason: str) -> None:
         """Drop the client's TCP connection (a reader that falls behind, or a failed stream)."""
         abort_transport(request.transport, self.metrics, f"HTTP response to {request.remote}", reason)
-
-
-def _parse(raw: bytes, max_depth: int) -> tuple[SpeechBody, str]:
-    """The body, decoded (the HTTP API's one JSON decoding path) and checked.
-
-    Raises:
-        BodyError: naming the problem, and the field when there is one.
-    """
-    try:
-        body = messages.decode(raw, _decoder, max_depth=max_depth)
-    except BadMessage as bad:
-        if bad.validation is None:  # malformed, too deep, or a number out of range
-            raise BodyError("bad_request", bad.message, bad.field) from None
-        raise BodyError("bad_request", f"invalid body: {bad.validation}", _param_of(bad.validation)) from None
-    fmt = body.response_format
-    if fmt not in FORMATS:
-        message = f"response_format {fmt!r} is not supported; use one of {list(FORMATS)}"
-        raise BodyError("unsupported", message, "response_format")
-    if body.stream_format != "audio":
-        raise BodyError("unsupported", "only stream_format 'audio' is supported (no 'sse')", "stream_format")
-    if not OPENAI_SPEED[0] <= body.speed <= OPENAI_SPEED[1]:
-        low, high = OPENAI_SPEED
-        raise BodyError("bad_request", f"speed must be within {low} and {high}", "speed")
-    return body, fmt
-
-
-def _request_of(body: SpeechBody, fmt: str) -> SpeechRequest:
-    our_format, rate, _ = FORMATS[fmt]
-    voice = body.voice.id if isinstance(body.voice, VoiceRef) else body.voice
-    return SpeechRequest(
-        name="http",
-        text=body.input,
-        voice=OPENAI_VOICES.get(voice, voice),
-        speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
-        format=our_format,
-        sample_rate=body.sample_rate or rate,
-        seed=body.seed,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        refine=body.refine,
-        refine_prompt=body.refine_prompt,
-    )
