@@ -81,6 +81,7 @@ def add_weights_command(commands: Any, env: Mapping[str, str]) -> None:
         "from, and whether every file is there with its size (`weights verify` checks the hashes).",
     )
     add_settings_arguments(where, env, only=LOCATION_FLAGS)
+    where.add_argument("--sha256-map", type=Path, default=None, help=hashes_help)
 
 
 def run_weights(args: argparse.Namespace) -> int:
@@ -90,7 +91,7 @@ def run_weights(args: argparse.Namespace) -> int:
             return _download(args)
         if args.weights_command == "verify":
             return _verify(args.directory, args.sha256_map)
-        return _where(_settings(args))
+        return _where(_settings(args), args.sha256_map)
     except WeightsError as exc:
         print(f"chattts-stream weights: {exc}", file=sys.stderr)
         return 1
@@ -144,7 +145,7 @@ def _verify(folder: Path, sha256_map: Path | None) -> int:
     return 0
 
 
-def _where(settings: Settings) -> int:
+def _where(settings: Settings, sha256_map: Path | None) -> int:
     location = locate(settings)
     print(f"serve looks in: {location.describe()}")
     folder = location.folder
@@ -159,12 +160,12 @@ def _where(settings: Settings) -> int:
         print(f"state: missing (`chattts-stream weights download{flags}` fetches them there)")
         return 1
     print(f"folder: {folder}")
-    return _presence(folder, location)
+    return _presence(folder, location, sha256_map)
 
 
-def _presence(folder: Path, location: Location) -> int:
+def _presence(folder: Path, location: Location, sha256_map: Path | None) -> int:
     """Every file there with its size: quick (``verify`` hashes them)."""
-    expected, _ = expected_for(folder, None)
+    expected, _ = expected_for(folder, sha256_map)
     problems = [p for p in (check_file(folder, f, hashes=False) for f in expected) if p is not None]
     if not problems:
         print(f"state: present ({len(expected)} files; `chattts-stream weights verify {folder}` hashes them)")

@@ -97,7 +97,11 @@ def _permanent(exc: Exception) -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The innermost message: requests wraps urllib3's, whose text is a tuple's repr."""
+    inner = exc
+    while inner.args and isinstance(inner.args[0], BaseException):
+        inner = inner.args[0]
+    text = (inner.args[0] if inner.args and isinstance(inner.args[0], str) else str(inner)).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
