@@ -54,7 +54,9 @@ def sha_map(tiny_model_dir: Path, tmp_path: Path) -> Path:
     return path
 
 
-def weights(*args: str, home: Path, hub_url: str | None = None) -> subprocess.CompletedProcess[str]:
+def weights(
+    *args: str, home: Path, hub_url: str | None = None, child: str = CHILD
+) -> subprocess.CompletedProcess[str]:
     """``chattts-stream weights ARGS`` in a fresh process: no proxy, no HF_*/CHATTTS_* of ours."""
     env = {
         k: v
@@ -65,7 +67,7 @@ def weights(*args: str, home: Path, hub_url: str | None = None) -> subprocess.Co
     if hub_url is not None:
         env["HF_ENDPOINT"] = hub_url
     return subprocess.run(
-        [sys.executable, "-c", CHILD, "weights", *args],
+        [sys.executable, "-c", child, "weights", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -190,6 +192,34 @@ def test_no_such_revision_fails_at_once_and_an_unreachable_hub_names_the_mirror_
     )
     assert down.returncode == 1
     assert "unreachable" in down.stderr and "HF_ENDPOINT" in down.stderr
+
+
+def test_the_servers_first_start_download_is_the_same_checked_download(hub: FakeHub, tmp_path: Path) -> None:
+    """``serve`` without weights fetches them itself: held to ChatTTS's own map, as the command is.
+
+    The stand-in serves the dev model's files, which are not ChatTTS's: every one is refused and
+    none is left in the cache for the next start to take.
+    """
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.netguard import loopback_only\n"
+        "from server.engine.chattts.assets import ModelUnavailableError, fetch_official\n"
+        "with loopback_only(hub_offline=False):\n"
+        "    try:\n"
+        "        fetch_official(cache_dir=Path(sys.argv[-1]))\n"
+        "    except ModelUnavailableError as exc:\n"
+        "        print(exc)\n"
+        "        sys.exit(2)\n"
+    )
+    cache = tmp_path / "hub"
+    with HubServer(hub) as url:
+        done = weights(str(cache), home=tmp_path, hub_url=url, child=child)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "refused 9 fetched file(s)" in done.stdout and f"{EMBED}: " in done.stdout
+    snapshot = cache / "models--2Noise--ChatTTS" / "snapshots" / COMMIT
+    assert not any((snapshot / p).exists() for p in FILES)
+    assert not any((cache / "models--2Noise--ChatTTS" / "blobs").iterdir())
 
 
 def test_verify_passes_a_good_folder_and_names_each_missing_or_different_file(

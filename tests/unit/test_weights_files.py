@@ -115,3 +115,21 @@ def test_the_docs_list_every_file_with_its_size() -> None:
         row = next((line for line in text.splitlines() if f"`{path}`" in line), None)
         assert row is not None, f"docs/weights.md does not list {path}"
         assert re.search(rf"\b{size:,}\b", row), f"docs/weights.md: {path} is not {size:,} bytes"
+
+
+def test_where_names_what_is_missing_and_the_download_that_fills_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, expected = _folder(tmp_path / "w")
+    sha_map = tmp_path / "map.json"
+    sha_map.write_text(json.dumps({key: f.sha256 for (_, key), f in zip(ASSET_FILES, expected, strict=True)}))
+    where = ["weights", "where", "--model-dir", str(folder), "--sha256-map", str(sha_map)]
+    assert main(where) == 0
+    assert "state: present (9 files" in capsys.readouterr().out
+    (folder / PATHS[4]).unlink()
+    assert main(where) == 1
+    out = capsys.readouterr().out
+    assert f"  {PATHS[4]}: missing\n" in out
+    assert f"state: incomplete (1 of 9 files): `chattts-stream weights download --dir {folder}`" in out
+    assert main(["weights", "where", "--model-dir", str(tmp_path / "none")]) == 1
+    assert "state: missing (no such folder;" in capsys.readouterr().out

@@ -31,9 +31,21 @@ from typing import Any, Literal
 import torch
 
 from server.engine.chattts.devmodel import build_config
-from server.engine.weights.files import ASSET_FILES, WeightsError, read_manifest
+from server.engine.weights.files import (
+    ASSET_FILES,
+    WeightsError,
+    chattts_sha256_map,
+    expected_files,
+    read_manifest,
+)
 from server.engine.weights.hub import REPO_ID as HF_REPO_ID
-from server.engine.weights.hub import cached_snapshot, unreachable_reason
+from server.engine.weights.hub import (
+    DownloadError,
+    HashMismatch,
+    cached_snapshot,
+    download,
+    unreachable_reason,
+)
 
 Verify = Literal["official", "none"]
 #: Only the files ChatTTS loads (the hub repo also holds old .pt files): those `weights download` fetches.
@@ -124,8 +136,6 @@ def fetch_official(*, cache_dir: Path | None = None, timeout_s: float = 5.0) -> 
     Raises:
         ModelUnavailableError: not cached and the hub is unreachable or the download failed.
     """
-    from huggingface_hub import snapshot_download
-
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     cached = cached_snapshot(cache, HF_ALLOW_PATTERNS)  # what `chattts-stream weights where` reports
     if cached is not None and not _missing_assets(cached):
@@ -139,22 +149,18 @@ def fetch_official(*, cache_dir: Path | None = None, timeout_s: float = 5.0) -> 
     previous = os.environ.get("HF_HUB_ETAG_TIMEOUT")
     os.environ["HF_HUB_ETAG_TIMEOUT"] = str(max(1, int(timeout_s)))
     try:
-        path = Path(snapshot_download(repo_id=HF_REPO_ID, allow_patterns=HF_ALLOW_PATTERNS, cache_dir=cache))
-    except Exception as exc:
-        raise ModelUnavailableError(
-            _offline_message(cache, f"download failed: {exc}".splitlines()[0])
-        ) from exc
+        # The same download as `chattts-stream weights download`: resumed when a transfer breaks,
+        # every file hashed, and one that differs deleted (else every later start would meet it).
+        return download(expected_files(chattts_sha256_map()), cache_dir=cache, retries=2, say=log.info)
+    except HashMismatch as exc:
+        raise ModelUnavailableError(str(exc)) from None
+    except DownloadError as exc:
+        raise ModelUnavailableError(_offline_message(cache, str(exc))) from None
     finally:
         if previous is None:
             os.environ.pop("HF_HUB_ETAG_TIMEOUT", None)
         else:
             os.environ["HF_HUB_ETAG_TIMEOUT"] = previous
-    missing = _missing_assets(path)
-    if missing:
-        raise ModelUnavailableError(
-            f"the hub snapshot {path} lacks {', '.join(missing)}; is {HF_REPO_ID} changed?"
-        )
-    return path
 
 
 def load_chat(

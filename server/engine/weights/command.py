@@ -154,16 +154,25 @@ def _where(settings: Settings, sha256_map: Path | None) -> int:
         print(f"folder: {folder}")
         print("state: present" if made else "state: not written yet (the first `serve` writes it)")
         return 0
+    fetch = f"`chattts-stream weights download{_download_flags(location, settings)}`"
     if folder is None:
-        assert location.cache is not None
-        flags = f" --cache-dir {settings.cache_dir}" if settings.cache_dir else ""
-        print(f"state: missing (`chattts-stream weights download{flags}` fetches them there)")
+        print(f"state: missing ({fetch} fetches them there)")
         return 1
     print(f"folder: {folder}")
-    return _presence(folder, location, sha256_map)
+    if not folder.is_dir():
+        print(f"state: missing (no such folder; {fetch} fetches them there)")
+        return 1
+    return _presence(folder, fetch, sha256_map)
 
 
-def _presence(folder: Path, location: Location, sha256_map: Path | None) -> int:
+def _download_flags(location: Location, settings: Settings) -> str:
+    """The flags of the ``weights download`` that fills ``location``."""
+    if location.source == "model-dir":
+        return f" --dir {location.folder}"
+    return f" --cache-dir {settings.cache_dir}" if settings.cache_dir else ""
+
+
+def _presence(folder: Path, fetch: str, sha256_map: Path | None) -> int:
     """Every file there with its size: quick (``verify`` hashes them)."""
     expected, _ = expected_for(folder, sha256_map)
     problems = [p for p in (check_file(folder, f, hashes=False) for f in expected) if p is not None]
@@ -172,9 +181,7 @@ def _presence(folder: Path, location: Location, sha256_map: Path | None) -> int:
         return 0
     for problem in problems:
         print(f"  {problem.path}: {problem.what}")
-    fix = f" --dir {folder}" if location.source == "model-dir" else ""
-    count = f"{len(problems)} of {len(expected)} files"
-    print(f"state: incomplete ({count}): `chattts-stream weights download{fix}` fetches them")
+    print(f"state: incomplete ({len(problems)} of {len(expected)} files): {fetch} fetches them")
     return 1
 
 
