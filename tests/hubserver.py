@@ -105,8 +105,10 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         hub.record(Seen(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
         if m := _INFO.match(self.path):
-            if m["repo"] != hub.repo or m["rev"] not in ("main", COMMIT):
+            if m["repo"] != hub.repo:
                 return self._status(404, {"X-Error-Code": "RepoNotFound"})
+            if m["rev"] not in ("main", COMMIT):
+                return self._status(404, {"X-Error-Code": "RevisionNotFound"})
             info = {"id": hub.repo, "sha": COMMIT, "siblings": [{"rfilename": p} for p in hub.files]}
             return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
         if m := _RESOLVE.match(self.path):

@@ -183,7 +183,8 @@ def test_no_such_revision_fails_at_once_and_an_unreachable_hub_names_the_mirror_
             "download", "--revision", "nope", "--sha256-map", str(sha_map), home=tmp_path, hub_url=url
         )
     assert missing.returncode == 1
-    assert "2Noise/ChatTTS@nope" in missing.stderr and "resuming" not in missing.stderr  # not retried
+    assert "2Noise/ChatTTS@nope" in missing.stderr and "no such revision" in missing.stderr
+    assert "resuming" not in missing.stderr  # not retried
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]

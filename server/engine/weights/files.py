@@ -197,7 +197,8 @@ def check_file(folder: Path, file: Expected, *, hashes: bool = True) -> Problem 
         return Problem(file.path, f"missing{dangling}")
     size = target.stat().st_size
     if file.size is not None and size != file.size:
-        return Problem(file.path, f"{size:,} bytes, expected {file.size:,} (an interrupted or partial copy?)")
+        short = " (cut short)" if size < file.size else ""
+        return Problem(file.path, f"{size:,} bytes, expected {file.size:,}{short}")
     if hashes:
         digest = sha256_of(target)
         if digest != file.sha256:

@@ -96,6 +96,27 @@ def _permanent(exc: Exception) -> bool:
     return isinstance(exc, (ValueError, PermissionError))
 
 
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in words: huggingface_hub's own messages start with a bare status line."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(exc, GatedRepoError):  # a RepositoryNotFoundError: first
+        return "the repository is gated: accept its terms on the hub and set HF_TOKEN"
+    if isinstance(exc, RepositoryNotFoundError):
+        return f"no repository {REPO_ID} there (or it needs HF_TOKEN)"
+    if isinstance(exc, RevisionNotFoundError):
+        return "no such revision (a branch, tag or commit of the repository)"
+    if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):
+        return "a file is not in the repository at that revision"
+    return _first_line(exc)
+
+
 def _first_line(exc: BaseException) -> str:
     """The innermost message: requests wraps urllib3's, whose text is a tuple's repr."""
     inner = exc
@@ -118,8 +139,9 @@ def download(
 
     Args:
         expected: the files and their hashes (production: ChatTTS's own map).
-        local_dir: a plain folder to fetch into (``DIR/asset/…``, for ``--model-dir DIR``); else
-        cache_dir: the hub cache to fetch into (the server's, for ``serve`` without ``--model-dir``).
+        local_dir: a plain folder to fetch into (``DIR/asset/…``, for ``--model-dir DIR``).
+        cache_dir: where ``local_dir`` is ``None``, the hub cache to fetch into (the server's, for
+            ``serve`` without ``--model-dir``).
         revision: branch, tag or commit of the repository.
         retries: how often an interrupted transfer is resumed before giving up.
         say: told one line per retry and per check.
@@ -156,12 +178,12 @@ def download(
             if _permanent(exc) or attempt >= retries:
                 tries = f" after {attempt + 1} tries" if attempt else ""
                 raise DownloadError(
-                    f"fetching {REPO_ID}@{revision} from {hub_endpoint()} failed{tries}: {_first_line(exc)}"
+                    f"fetching {REPO_ID}@{revision} from {hub_endpoint()} failed{tries}: {_reason(exc)}"
                     + ("" if _permanent(exc) else "; run the command again to resume")
                 ) from None
             attempt += 1
             wait_s = min(30, 2 ** (attempt - 1))
-            say(f"interrupted ({_first_line(exc)}); resuming in {wait_s} s (retry {attempt} of {retries})")
+            say(f"interrupted ({_reason(exc)}); resuming in {wait_s} s (retry {attempt} of {retries})")
             time.sleep(wait_s)
     return _checked(folder, expected, in_cache=local_dir is None, say=say)
 
@@ -184,7 +206,7 @@ def _checked(
     if bad:
         names = "; ".join(f"{p.path}: {p.what}" for p in bad)
         raise HashMismatch(
-            f"refused {len(bad)} fetched file(s) whose sha256 is not the expected one, and deleted them: "
+            f"refused {len(bad)} fetched file(s) that differ from the expected ones, and deleted them: "
             f"{names}. The hub or mirror ({hub_endpoint()}) served other bytes; run again to fetch "
             "them anew, or try another mirror",
             bad,
