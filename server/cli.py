@@ -1,4 +1,4 @@
-"""The ``chattts-stream`` command: ``serve`` and ``make-dev-model``."""
+"""The ``chattts-stream`` command: ``serve``, ``make-dev-model`` and ``weights``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from server.config import add_settings_arguments, settings_from_namespace
+from server.engine.weights.command import add_weights_command, run_weights
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,12 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     dev.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     dev.add_argument("directory", type=Path, help="folder to write (created if missing)")
+    add_weights_command(commands, os.environ)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chattts-stream`` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "weights":
+        return run_weights(args)
     if args.command == "make-dev-model":
         from server.engine.chattts.devmodel import make_dev_model
 

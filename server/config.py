@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,9 +316,13 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Add one flag per ``Settings`` field; defaults come from ``env`` when set there."""
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, env: Mapping[str, str], only: Collection[str] | None = None
+) -> None:
+    """Add one flag per ``Settings`` field (those in ``only``); defaults come from ``env`` when set there."""
     for f in dataclasses.fields(Settings):
+        if only is not None and f.name not in only:
+            continue
         env_name = _env_name(f.name)
         default = f.default
         convert: Any = _parse_bool if isinstance(default, bool) else type(default)

@@ -52,10 +52,14 @@ def _loopback_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def loopback_only() -> Iterator[None]:
-    """Like :func:`network_refused`, but loopback connections (our own server) pass."""
+def loopback_only(*, hub_offline: bool = True) -> Iterator[None]:
+    """Like :func:`network_refused`, but loopback connections (our own server) pass.
+
+    ``hub_offline=False`` leaves ``HF_HUB_OFFLINE`` alone: for a stand-in hub on 127.0.0.1.
+    """
     mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
+    if hub_offline:
+        mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setattr(socket.socket, "connect", _loopback_connect)
     mp.setattr(socket, "getaddrinfo", _loopback_getaddrinfo)
     try:

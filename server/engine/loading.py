@@ -10,11 +10,11 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from server.config import Settings
 from server.engine.flags import engine_options, parse_cpus, thread_environment
+from server.engine.weights.locate import hub_cache, locate
 from server.errors import StartupError
 
 if TYPE_CHECKING:
@@ -25,13 +25,6 @@ log = logging.getLogger(__name__)
 
 class ModelUnavailable(StartupError):
     """The model cannot be loaded; the one-line message says what to do."""
-
-
-def cache_root(settings: Settings) -> Path:
-    """Where downloaded weights and generated dev models are kept."""
-    if settings.cache_dir:
-        return Path(settings.cache_dir).expanduser()
-    return Path.home() / ".cache" / "chattts-stream"
 
 
 def _available_cpus() -> frozenset[int]:
@@ -77,19 +70,19 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         from server.engine.chattts.devmodel import make_dev_model
         from server.engine.chattts.engine import ChatTTSEngine
 
-        model_dir: Path | None = Path(settings.model_dir).expanduser() if settings.model_dir else None
-        if settings.dev_model:
-            model_dir = cache_root(settings) / f"dev-{settings.dev_model}"
-            if not (model_dir / "DEV_MODEL.json").is_file():
-                log.warning("writing a random-weight %s dev model to %s", settings.dev_model, model_dir)
-                make_dev_model("full" if settings.dev_model == "full" else "tiny", model_dir)
+        # The same answer as `chattts-stream weights where`; the hub cache's snapshot is found (or
+        # downloaded) by the loader, so only a folder named by a flag is taken from here.
+        model_dir = locate(settings, look_in_cache=False).folder
+        if settings.dev_model and model_dir is not None and not (model_dir / "DEV_MODEL.json").is_file():
+            log.warning("writing a random-weight %s dev model to %s", settings.dev_model, model_dir)
+            make_dev_model("full" if settings.dev_model == "full" else "tiny", model_dir)
         try:
             engine = ChatTTSEngine.load(
                 model_dir=model_dir,
                 device=settings.device,
                 dtype=settings.dtype,
                 num_threads=settings.threads or None,
-                cache_dir=cache_root(settings) / "hub",
+                cache_dir=hub_cache(settings),
                 verify_weights="none" if settings.verify_weights == "none" else "official",
                 options=options,
             )

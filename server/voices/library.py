@@ -38,7 +38,7 @@ import numpy as np
 
 from server.config import Settings
 from server.core.client import EngineClient
-from server.engine.loading import cache_root
+from server.engine.weights.locate import cache_root
 from server.engine_api import VoiceSample
 from server.errors import InvalidRequest, LimitReached, NotFound, Overloaded, ServiceError, Unsupported
 from server.text.segments import has_speakable

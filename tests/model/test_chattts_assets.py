@@ -49,6 +49,7 @@ def _assert_actionable(exc: ModelUnavailableError) -> None:
     text = str(exc)
     assert "\n" not in text
     assert "--model-dir" in text and "--dev-model" in text and "2Noise/ChatTTS" in text
+    assert "`chattts-stream weights download`" in text  # the command that fetches them
 
 
 def test_offline_env_fails_fast(tmp_path: Path) -> None:

@@ -21,24 +21,35 @@ so such a checkpoint must keep the official architecture.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import torch
 
-from server.engine.chattts.devmodel import ASSET_FILES, DEV_MANIFEST, DEV_MANIFEST_KIND, build_config
+from server.engine.chattts.devmodel import build_config
+from server.engine.weights.files import (
+    ASSET_FILES,
+    WeightsError,
+    chattts_sha256_map,
+    expected_files,
+    read_manifest,
+)
+from server.engine.weights.hub import REPO_ID as HF_REPO_ID
+from server.engine.weights.hub import (
+    DownloadError,
+    HashMismatch,
+    cached_snapshot,
+    download,
+    unreachable_reason,
+)
 
-HF_REPO_ID = "2Noise/ChatTTS"
 Verify = Literal["official", "none"]
-#: Only what ChatTTS's asset layout needs (the hub repo also holds old .pt files).
-HF_ALLOW_PATTERNS = ["asset/*.safetensors", "asset/gpt/*", "asset/tokenizer/*"]
+#: Only the files ChatTTS loads (the hub repo also holds old .pt files): those `weights download` fetches.
+HF_ALLOW_PATTERNS = [path for path, _ in ASSET_FILES]
 
 log = logging.getLogger(__name__)
 
@@ -94,46 +105,24 @@ def default_cache_dir() -> Path:
 
 def read_dev_manifest(model_dir: Path) -> dict[str, Any] | None:
     """The dev-model manifest of ``model_dir``, or ``None`` for official weights."""
-    path = model_dir / DEV_MANIFEST
-    if not path.is_file():
-        return None
-    data: dict[str, Any] = json.loads(path.read_text())
-    if data.get("kind") != DEV_MANIFEST_KIND or not data.get("random_weights"):
-        raise ModelUnavailableError(
-            f"{path} is not a chattts-stream dev-model manifest; remove it or regenerate"
-        )
-    return data
+    try:
+        return read_manifest(model_dir)
+    except WeightsError as exc:
+        raise ModelUnavailableError(str(exc)) from None
 
 
 def _missing_assets(model_dir: Path) -> list[str]:
     return [rel for rel, _ in ASSET_FILES if not (model_dir / rel).is_file()]
 
 
-def _hub_reachable(timeout_s: float) -> str | None:
-    """``None`` when the hub answers a TCP connect within ``timeout_s``, else the reason.
-
-    huggingface_hub retries and waits on its own; a raw connect fails in
-    well under a second offline, which is what the CLI user needs.
-    """
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    host = url.hostname or "huggingface.co"
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except OSError as exc:
-        return f"cannot reach {host}:{port} ({exc.__class__.__name__}: {exc})"
-
-
 def _offline_message(cache_dir: Path, reason: str) -> str:
     return (
         f"ChatTTS weights are not in the cache {cache_dir} and cannot be downloaded from the Hugging Face "
         f"hub "
-        f"({HF_REPO_ID}): {reason}. Fix: connect this machine to the internet once (the weights are cached), "
-        f"or copy the {HF_REPO_ID} files to a folder and pass --model-dir DIR (DIR/asset/...), "
-        "or serve random test weights with `--dev-model tiny` (noise, not speech)."
+        f"({HF_REPO_ID}): {reason}. Fix: run `chattts-stream weights download` where the hub (or a mirror "
+        "named by HF_ENDPOINT) can be reached, then copy the folder here and pass --model-dir DIR "
+        "(docs/weights.md lists the files), or serve random test weights with `--dev-model tiny` "
+        "(noise, not speech)."
     )
 
 
@@ -147,44 +136,31 @@ def fetch_official(*, cache_dir: Path | None = None, timeout_s: float = 5.0) -> 
     Raises:
         ModelUnavailableError: not cached and the hub is unreachable or the download failed.
     """
-    from huggingface_hub import snapshot_download
-
     cache = cache_dir if cache_dir is not None else default_cache_dir()
-    try:
-        path = Path(
-            snapshot_download(
-                repo_id=HF_REPO_ID, allow_patterns=HF_ALLOW_PATTERNS, cache_dir=cache, local_files_only=True
-            )
-        )
-        if not _missing_assets(path):
-            return path
-    except Exception:  # not cached (LocalEntryNotFoundError and friends)
-        pass
+    cached = cached_snapshot(cache, HF_ALLOW_PATTERNS)  # what `chattts-stream weights where` reports
+    if cached is not None and not _missing_assets(cached):
+        return cached
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ModelUnavailableError(_offline_message(cache, "HF_HUB_OFFLINE is set"))
-    reason = _hub_reachable(timeout_s)
+    reason = unreachable_reason(timeout_s)
     if reason is not None:
         raise ModelUnavailableError(_offline_message(cache, reason))
     log.warning("downloading the ChatTTS weights from the Hugging Face hub (%s) into %s", HF_REPO_ID, cache)
     previous = os.environ.get("HF_HUB_ETAG_TIMEOUT")
     os.environ["HF_HUB_ETAG_TIMEOUT"] = str(max(1, int(timeout_s)))
     try:
-        path = Path(snapshot_download(repo_id=HF_REPO_ID, allow_patterns=HF_ALLOW_PATTERNS, cache_dir=cache))
-    except Exception as exc:
-        raise ModelUnavailableError(
-            _offline_message(cache, f"download failed: {exc}".splitlines()[0])
-        ) from exc
+        # The same download as `chattts-stream weights download`: resumed when a transfer breaks,
+        # every file hashed, and one that differs deleted (else every later start would meet it).
+        return download(expected_files(chattts_sha256_map()), cache_dir=cache, retries=2, say=log.info)
+    except HashMismatch as exc:
+        raise ModelUnavailableError(str(exc)) from None
+    except DownloadError as exc:
+        raise ModelUnavailableError(_offline_message(cache, str(exc))) from None
     finally:
         if previous is None:
             os.environ.pop("HF_HUB_ETAG_TIMEOUT", None)
         else:
             os.environ["HF_HUB_ETAG_TIMEOUT"] = previous
-    missing = _missing_assets(path)
-    if missing:
-        raise ModelUnavailableError(
-            f"the hub snapshot {path} lacks {', '.join(missing)}; is {HF_REPO_ID} changed?"
-        )
-    return path
 
 
 def load_chat(
@@ -221,7 +197,10 @@ def load_chat(
         )
     missing = _missing_assets(folder)
     if missing:
-        raise ModelUnavailableError(f"{folder} is incomplete, missing: {', '.join(missing)}")
+        raise ModelUnavailableError(
+            f"{folder} is incomplete, missing: {', '.join(missing)} "
+            f"(`chattts-stream weights download --dir {folder}` fetches them)"
+        )
     manifest = read_dev_manifest(folder)
     import ChatTTS
 
@@ -257,7 +236,8 @@ def load_chat(
             )
         raise ModelUnavailableError(
             f"loading ChatTTS from {folder} failed: its files do not match ChatTTS's official sha256 map "
-            "(re-download them), or a module failed to load; to serve fine-tuned or otherwise modified "
+            f"(`chattts-stream weights verify {folder}` names them; `chattts-stream weights download` "
+            "fetches them anew), or a module failed to load; to serve fine-tuned or otherwise modified "
             "weights pass --verify-weights none (CHATTTS_VERIFY_WEIGHTS=none)"
         )
     log.info("ChatTTS modules loaded from %s in %.2f s", folder, time.perf_counter() - started)

@@ -13,7 +13,6 @@ may do that.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -29,22 +28,7 @@ from transformers import BertTokenizerFast, LlamaConfig, LlamaModel
 from vocos import Vocos
 from vocos.pretrained import instantiate_class
 
-#: File name of the manifest that marks a folder as random weights.
-DEV_MANIFEST = "DEV_MODEL.json"
-DEV_MANIFEST_KIND = "chattts-stream-dev-model"
-
-#: Files ChatTTS's ``check_all_assets`` hashes, as (relative path, sha256_map key).
-ASSET_FILES: tuple[tuple[str, str], ...] = (
-    ("asset/Decoder.safetensors", "sha256_asset_Decoder_safetensors"),
-    ("asset/DVAE.safetensors", "sha256_asset_DVAE_safetensors"),
-    ("asset/Embed.safetensors", "sha256_asset_Embed_safetensors"),
-    ("asset/Vocos.safetensors", "sha256_asset_Vocos_safetensors"),
-    ("asset/gpt/config.json", "sha256_asset_gpt_config_json"),
-    ("asset/gpt/model.safetensors", "sha256_asset_gpt_model_safetensors"),
-    ("asset/tokenizer/special_tokens_map.json", "sha256_asset_tokenizer_special_tokens_map_json"),
-    ("asset/tokenizer/tokenizer_config.json", "sha256_asset_tokenizer_tokenizer_config_json"),
-    ("asset/tokenizer/tokenizer.json", "sha256_asset_tokenizer_tokenizer_json"),
-)
+from server.engine.weights.files import ASSET_FILES, DEV_MANIFEST, DEV_MANIFEST_KIND, sha256_of
 
 #: ChatTTS's 50 tokens after BERT's vocabulary, in the official tokenizer's order (ids 21128 on):
 #: the order matters, because ``infer`` drops refined tokens from ``[break_0]`` on.
@@ -178,14 +162,6 @@ def _save(module: torch.nn.Module, path: Path) -> None:
     save_file(state, str(path))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def make_dev_model(size: Literal["tiny", "full"], directory: Path, seed: int = 0) -> None:
     """Write a random-weight ChatTTS model in ChatTTS's asset layout.
 
@@ -273,6 +249,6 @@ def make_dev_model(size: Literal["tiny", "full"], directory: Path, seed: int = 0
         "size": size,
         "seed": seed,
         "config": overrides,
-        "sha256": {key: _sha256(directory / rel) for rel, key in ASSET_FILES},
+        "sha256": {key: sha256_of(directory / rel) for rel, key in ASSET_FILES},
     }
     (directory / DEV_MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
