@@ -22,9 +22,9 @@ from server.audio.pcm import to_pcm16
 from server.engine.fake import FAIL_MARKER, expected_audio
 from server.engine_api import SequenceRequest, SynthesisParams
 from server.errors import StartupError
-from server.voices.catalog import OPENAI_VOICES
 from server.frontends.http.api import wav_header
 from server.text.segments import split_segments
+from server.voices.catalog import OPENAI_VOICES
 from tests.integration.conftest import fake_engine, fake_settings, wait_until
 from tests.serverproc import free_port
 from tests.wsclient import open_client, stream_payload

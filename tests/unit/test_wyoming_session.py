@@ -25,7 +25,6 @@ from wyoming.tts import (
 )
 
 from server.engine.fake import FAIL_MARKER, FAKE_VOICES, FakeEngine
-from server.voices.catalog import OPENAI_VOICES
 from server.frontends.wyoming.session import (
     CHUNK_FRAMES,
     Action,
@@ -39,6 +38,7 @@ from server.frontends.wyoming.session import (
 from server.streams.items import Frame, OutItem
 from server.streams.service import SpeechService
 from server.streams.stream import StreamState
+from server.voices.catalog import OPENAI_VOICES
 from tests.unit.conftest import MakeService
 
 
