@@ -43,8 +43,8 @@ class UnknownVoice(Unsupported):
             front end can word its own refusal around them.
     """
 
-    def __init__(self, name: str, choices: str) -> None:
-        super().__init__(f"unknown voice {name!r}; use one of {choices}")
+    def __init__(self, name: str, choices: str = "") -> None:
+        super().__init__(f"unknown voice {name!r}" + (f"; use one of {choices}" if choices else ""))
         self.name = name
         self.choices = choices
 
