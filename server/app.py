@@ -387,7 +387,6 @@ def server_info(settings: Settings, engine: EngineInfo) -> ServerInfo:
     """What the server advertises, once the engine is loaded."""
     return ServerInfo(
         server=settings.server_name,
-        voices=engine.voices,
         formats=SUPPORTED_FORMATS,
         sample_rates=SUPPORTED_RATES,
         max_text_chars=settings.max_text_chars,

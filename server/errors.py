@@ -34,6 +34,21 @@ class Unsupported(ServiceError):
     """A format, sample rate or voice this server does not have."""
 
 
+class UnknownVoice(Unsupported):
+    """A voice name this server (or the client's tenant) does not have.
+
+    Attributes:
+        name: the name asked for (shortened when long).
+        choices: the valid names, as a phrase (``default, alloy, …, seed:<int>``), so each
+            front end can word its own refusal around them.
+    """
+
+    def __init__(self, name: str, choices: str = "") -> None:
+        super().__init__(f"unknown voice {name!r}" + (f"; use one of {choices}" if choices else ""))
+        self.name = name
+        self.choices = choices
+
+
 class RateLimited(ServiceError):
     """The client starts streams faster than its rate allows; ``retry_after_ms`` says when."""
 

@@ -1,4 +1,6 @@
 // The demo page: speak the text box with the chosen voice and format, show live metrics.
+// The API key (a server with --api-keys) goes as `?api_key=`, the one way a browser's WebSocket
+// can carry it; a banner says when the server's weights are random (hello.weights).
 import { TTSClient } from '/client_js/src/index.js';
 
 const $ = (/** @type {string} */ id) => /** @type {HTMLElement} */ (document.getElementById(id));
@@ -10,8 +12,16 @@ const speed = /** @type {HTMLInputElement} */ ($('speed'));
 const play = /** @type {HTMLButtonElement} */ ($('play'));
 const stop = /** @type {HTMLButtonElement} */ ($('stop'));
 const drop = /** @type {HTMLButtonElement} */ ($('drop'));
+const apiKey = /** @type {HTMLInputElement} */ ($('api-key'));
+const connectButton = /** @type {HTMLButtonElement} */ ($('connect'));
+const banner = $('banner');
 
-const client = new TTSClient({ url: location.origin });
+// This tab only (sessionStorage), so a reload keeps the key and closing the tab forgets it.
+const KEY_STORAGE = 'chattts-stream-demo.api-key';
+apiKey.value = sessionStorage.getItem(KEY_STORAGE) ?? '';
+
+/** @type {TTSClient} */
+let client;
 /** @type {import('/client_js/src/client.js').SpeechStream | null} */
 let current = null;
 const t0 = performance.now();
@@ -30,22 +40,90 @@ function setState(state) {
   el.className = `value ${state}`;
 }
 
+/**
+ * @param {string} message
+ * @param {'' | 'good' | 'bad'} [tone]
+ */
+function setConnection(message, tone = '') {
+  const el = $('connection');
+  el.textContent = message;
+  el.className = `connection-state ${tone}`;
+}
+
+/**
+ * A dev model's random weights make noise: say so, or a user hears noise and cannot tell why.
+ * (`hello.weights`: `official`, `unverified`, `random`; absent with the test engine.)
+ * @param {Record<string, any>} hello
+ */
+function showWeights(hello) {
+  const random = hello.weights === 'random';
+  banner.hidden = !random;
+  banner.dataset.weights = hello.weights ?? 'none';
+  if (random) {
+    const strong = document.createElement('strong');
+    strong.textContent = 'Random weights: this is not speech.';
+    banner.replaceChildren(
+      strong,
+      ' The server runs a dev model (--dev-model, make-dev-model): its weights are random numbers, so it plays noise.' +
+        ' Serve the real ChatTTS weights to hear speech.',
+    );
+  }
+}
+
 /** @param {number | null} ms */
 const fmtMs = (ms) => (ms === null || ms === undefined ? '–' : `${Math.round(ms)} ms`);
 
-client.on('connected', ({ hello }) => {
-  $('server').textContent = `${hello.server} · protocol ${hello.protocol} · formats ${hello.formats.join(', ')}`;
-  const chosen = voice.value;
-  voice.replaceChildren(
-    ...hello.voices.map((/** @type {string} */ name) => new Option(name, name, false, name === chosen)),
-  );
-  play.disabled = false;
+/** (Re)connect with the key in the field; the previous client, if any, is closed. */
+function connect() {
+  current?.cancel();
+  client?.close();
+  const key = apiKey.value.trim();
+  if (key) sessionStorage.setItem(KEY_STORAGE, key);
+  else sessionStorage.removeItem(KEY_STORAGE);
+  const mine = new TTSClient({ url: location.origin, apiKey: key || undefined });
+  client = mine;
+  play.disabled = true;
+  setConnection('connecting…');
+  mine.on('connected', ({ hello }) => {
+    if (mine !== client) return;
+    $('server').textContent = `${hello.server} · protocol ${hello.protocol} · formats ${hello.formats.join(', ')}`;
+    setConnection(key ? 'connected with the API key' : 'connected', 'good');
+    showWeights(hello);
+    const chosen = voice.value;
+    voice.replaceChildren(
+      ...hello.voices.map((/** @type {string} */ name) => new Option(name, name, false, name === chosen)),
+    );
+    play.disabled = false;
+  });
+  mine.on('disconnected', ({ code, reason }) => {
+    if (mine !== client) return;
+    log(`connection closed (${code}${reason ? ` ${reason}` : ''})`);
+    if (code === 1008 && /API key/.test(reason)) {
+      // The server has --api-keys: ask for one (or say that this one was refused).
+      play.disabled = true;
+      setConnection(
+        key ? 'the server refused this API key: check it, then Connect' : 'this server needs an API key: type it, then Connect',
+        'bad',
+      );
+      apiKey.focus();
+    } else if (code === 1008) {
+      play.disabled = true;
+      setConnection(`refused: ${reason}`, 'bad');
+    }
+  });
+  mine.on('error', ({ code, message }) => log(`error ${code}: ${message}`));
+  mine.open().catch((err) => {
+    if (mine !== client) return;
+    $('server').textContent = `cannot connect: ${err.message}`;
+    if (!$('connection').classList.contains('bad')) setConnection(`cannot connect: ${err.message}`, 'bad');
+  });
+}
+
+connectButton.addEventListener('click', connect);
+apiKey.addEventListener('keydown', (event) => {
+  if (event.key === 'Enter') connect();
 });
-client.on('disconnected', ({ code }) => log(`connection closed (${code})`));
-client.on('error', ({ code, message }) => log(`error ${code}: ${message}`));
-client.open().catch((err) => {
-  $('server').textContent = `cannot connect: ${err.message}`;
-});
+connect();
 
 play.addEventListener('click', () => {
   current?.cancel();

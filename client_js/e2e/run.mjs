@@ -9,7 +9,8 @@
 // SPEC: {"server": "http://127.0.0.1:PORT", "scenarios": [{"name": ..., "text": ..., "seed": ...,
 //        "format": "pcm16"|"f32"|"opus", "cutAfterBytes": [n, ...], "dropAfterFrames": [n, ...],
 //        "startThresholdMs": ...}],
-//        "screenshots": [{"path": "...", "text": "...", ...}]   (optional: the demo page)}
+//        "screenshots": [{"path": "...", "text": "...", "apiKey": "...", ...}]   (optional: the
+//        demo page, driven as a user would: see demo() below)}
 // A scenario with cutAfterBytes goes through a TCP proxy that kills its WebSocket connections
 // abruptly (RST, no close handshake) after forwarding that many bytes to the browser: the first
 // number for the first connection, and so on.
@@ -129,15 +130,18 @@ async function runScenario(browser, serverUrl, scenario) {
 }
 
 /**
- * Screenshot of the demo page while or after it speaks a text.
- * spec: {path, text?, format?, dropAfterMs? (press "Drop connection"), shotAfterMs? (shoot while
- * playing instead of when finished)}
+ * The demo page as a user drives it: (type the API key it asks for,) play a text, look at it.
+ * spec: {path? (a screenshot), text?, format?, voice?, apiKey? (wait for the page to ask for a
+ * key, then type it and press Connect), refused? (the key is wrong: wait for the page to say
+ * so), play? (default true), dropAfterMs? (press "Drop connection"), shotAfterMs? (shoot while
+ * playing instead of when finished), shotWhen? ({element id: text} the page must show first)}
  */
-async function screenshot(browser, serverUrl, spec) {
+async function demo(browser, serverUrl, spec) {
   const page = await browser.newPage({ viewport: { width: 1000, height: 720 }, deviceScaleFactor: 1 });
   const logs = [];
   page.on('pageerror', (err) => logs.push(`pageerror: ${err.message}`));
   page.on('console', (msg) => msg.type() === 'error' && logs.push(`console: ${msg.text()}`));
+  const text = (selector) => page.evaluate((s) => document.querySelector(s)?.textContent ?? null, selector);
   const stats = () =>
     page.evaluate(() => ({
       ttfa: document.querySelector('#ttfa')?.textContent,
@@ -146,10 +150,34 @@ async function screenshot(browser, serverUrl, spec) {
       state: document.querySelector('#state')?.textContent,
       format: document.querySelector('#wire-format')?.textContent,
       segments: document.querySelectorAll('#segments li').length,
+      connection: document.querySelector('#connection')?.textContent,
+      banner: {
+        hidden: /** @type {HTMLElement} */ (document.querySelector('#banner')).hidden,
+        text: document.querySelector('#banner')?.textContent,
+        weights: /** @type {HTMLElement} */ (document.querySelector('#banner')).dataset.weights ?? null,
+      },
+      voices: [...document.querySelectorAll('#voice option')].map((o) => o.textContent),
     }));
+  const out = { name: spec.name ?? null, logs };
   try {
     await page.goto(`${serverUrl}/`);
-    await page.waitForSelector('#play:not([disabled])');
+    if (spec.apiKey !== undefined) {
+      // A server with --api-keys refuses the page's first connection (1008): the page asks.
+      await page.waitForSelector('#connection.bad', { timeout: 30000 });
+      out.beforeKey = { connection: await text('#connection'), playDisabled: await page.isDisabled('#play') };
+      await page.fill('#api-key', spec.apiKey);
+      await page.click('#connect');
+      if (spec.refused) {
+        await page.waitForFunction(() => /refused/.test(document.querySelector('#connection.bad')?.textContent ?? ''));
+        return { ...out, ...(await stats()), playDisabled: await page.isDisabled('#play') };
+      }
+    }
+    await page.waitForSelector('#play:not([disabled])', { timeout: 60000 });
+    if (spec.voice) await page.selectOption('#voice', spec.voice);
+    if (spec.play === false) {
+      if (spec.path) await page.screenshot({ path: spec.path, fullPage: true });
+      return { ...out, ...(await stats()) };
+    }
     if (spec.text) await page.fill('#text', spec.text);
     if (spec.format) await page.selectOption('#format', spec.format);
     const clicked = Date.now();
@@ -160,16 +188,24 @@ async function screenshot(browser, serverUrl, spec) {
     }
     if (spec.shotAfterMs !== undefined) {
       await page.waitForTimeout(Math.max(0, spec.shotAfterMs - (Date.now() - clicked)));
-      await page.screenshot({ path: spec.path, fullPage: true });
-      return { ...(await stats()), logs };
+      if (spec.shotWhen) {
+        // What the picture must show, whatever the machine's speed (a resume may take longer).
+        await page.waitForFunction(
+          (want) => Object.entries(want).every(([id, value]) => document.getElementById(id)?.textContent === value),
+          spec.shotWhen,
+          { timeout: 30000 },
+        );
+      }
+      if (spec.path) await page.screenshot({ path: spec.path, fullPage: true });
+      return { ...out, ...(await stats()) };
     }
     await page.waitForFunction(() => document.querySelector('#state')?.textContent === 'finished', null, {
-      timeout: 60000,
+      timeout: 120000,
     });
-    await page.screenshot({ path: spec.path, fullPage: true });
-    return { ...(await stats()), logs };
+    if (spec.path) await page.screenshot({ path: spec.path, fullPage: true });
+    return { ...out, ...(await stats()) };
   } catch (err) {
-    return { failed: String(err?.stack ?? err), logs };
+    return { ...out, failed: String(err?.stack ?? err), page: await stats().catch(() => null) };
   } finally {
     await page.close();
   }
@@ -194,7 +230,7 @@ async function main() {
     }
     out.screenshots = [];
     for (const shot of spec.screenshots ?? []) {
-      out.screenshots.push(await screenshot(browser, shot.server ?? spec.server, shot));
+      out.screenshots.push(await demo(browser, shot.server ?? spec.server, shot));
     }
   } finally {
     await browser.close();

@@ -1,7 +1,7 @@
 """What every front end shares: the facts it advertises, bounded sends, the bounds of request fields.
 
 :class:`ServerInfo` is the small value a front end needs about the server
-(``hello``, voice lists); :func:`send_within` and :func:`abort_transport` are how
+(``hello``); :func:`send_within` and :func:`abort_transport` are how
 every front end drops a client that stops reading; the ``Annotated`` types bound
 the sampling fields every front end accepts (the WebSocket's ``start``, the
 OpenAI body), so a request cannot ask for absurd values on any port.
@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Final
+from typing import Annotated
 
 import msgspec
 
@@ -50,18 +50,11 @@ def abort_transport(
         transport.abort()
 
 
-#: OpenAI voice names → reproducible ChatTTS voices (random speakers, not OpenAI's timbres);
-#: the OpenAI-compatible endpoint and the Wyoming server take these names.
-_SEEDED = "ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()  # noqa: SIM905
-OPENAI_VOICES: Final = {"alloy": "default"} | {name: f"seed:{n}" for n, name in enumerate(_SEEDED, start=11)}
-
-
 @dataclass(frozen=True, kw_only=True)
 class ServerInfo:
-    """What the server advertises (the ``hello`` message, the voices list)."""
+    """What the server advertises (the ``hello`` message); the voices are the catalog's (they change)."""
 
     server: str
-    voices: tuple[str, ...]
     formats: tuple[str, ...]
     sample_rates: tuple[int, ...]
     max_text_chars: int

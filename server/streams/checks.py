@@ -25,19 +25,19 @@ from server.voices.library import StoredVoice
 
 def stream_encoder(
     request: SpeechRequest,
-    stored: StoredVoice | None,
     settings: Settings,
     engine: EngineClient,
     *,
     ogg_serial: int | None = None,
 ) -> FrameEncoder:
-    """The stream's encoder; checks text size, control tags, format, rate and voice first.
+    """The stream's encoder; checks text size, control tags, format and rate first.
+
+    The voice was resolved before (``VoiceCatalog.resolve``).
 
     Args:
         request: the request.
-        stored: its voice from a recording, if it names one the client may use.
         settings: the limits and the encoders' settings.
-        engine: knows the built-in voices and whether refinement is on.
+        engine: knows whether refinement is on.
         ogg_serial: the Ogg stream's serial number (None: random).
 
     Raises:
@@ -63,8 +63,6 @@ def stream_encoder(
         )
     except (UnsupportedAudio, ValueError) as exc:
         raise Unsupported(str(exc)) from None
-    if stored is None and not engine.validate_voice(request.voice):
-        raise Unsupported(f"unknown voice {request.voice!r}")
     if request.refine and not engine.info.refine:
         raise Unsupported("refinement is off on this server (--refine-max-tokens 0)")
     if (problem := refine_prompt_problem(request.refine_prompt)) is not None:

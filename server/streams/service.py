@@ -36,6 +36,7 @@ from server.streams.request import SpeechRequest
 from server.streams.routing import Claims, Router, request_digest
 from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
 from server.streams.timing import SegmentWords
+from server.voices.catalog import VoiceCatalog, canonical
 from server.voices.library import StoredVoice, VoiceLibrary
 
 log = logging.getLogger(__name__)
@@ -82,16 +83,10 @@ class SpeechService:
         )
         #: Voices made from recordings (``POST /v1/audio/voices``), by id.
         self.voices = VoiceLibrary(settings, engine)
+        #: Every port's one voice list and name resolution (``open`` resolves each request's voice).
+        self.catalog = VoiceCatalog(engine, self.voices)
         #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
         self.router: Router | None = None
-
-    def voice_names(self, owner: str | None = None) -> tuple[str, ...]:
-        """Every voice name ``owner`` may use: the engine's, then those made from recordings it sees."""
-        return (*self.engine.info.voices, *(v.id for v in self.voices.all(owner)))
-
-    def knows_voice(self, voice: str, owner: str | None = None) -> bool:
-        """Whether ``owner`` may speak ``voice``: the engine's (``seed:``, speakers) or a recording's."""
-        return self.voices.get(voice, owner) is not None or self.engine.validate_voice(voice)
 
     # --- admission -------------------------------------------------------------------------
 
@@ -149,8 +144,9 @@ class SpeechService:
         cacheable = request.seed is not None and regeneration is None
         if request.seed is None and resumable:  # reported in `started`; never a cache key
             request = dataclasses.replace(request, seed=secrets.randbits(63))
-        stored = self.voices.get(request.voice, owner)
-        encoder = self._encoder_for(request, stored)
+        voice, stored = self.catalog.resolve(request.voice, owner)  # OpenAI's names → seeds
+        request = dataclasses.replace(request, voice=voice)
+        encoder = self._encoder_for(request)
         s = self.settings
         who = _Who(client or "", self.budget.charger(client or ""), stored)
         outbox = Outbox(
@@ -232,10 +228,10 @@ class SpeechService:
         )
         return generation, on_complete
 
-    def _encoder_for(self, request: SpeechRequest, stored: StoredVoice | None) -> FrameEncoder:
+    def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
         # With signed tokens the Ogg serial is the request's, so that a regeneration matches.
         serial = None if self.router is None else int.from_bytes(request_digest(request)[:4])
-        return stream_encoder(request, stored, self.settings, self.engine, ogg_serial=serial)
+        return stream_encoder(request, self.settings, self.engine, ogg_serial=serial)
 
     def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
         return speakable_segments(request.text or "", self.settings.segment_max_chars, self.engine)
@@ -307,6 +303,7 @@ class SpeechService:
         """
         assert self.router is not None, "regeneration needs signed tokens"
         self.check_accepting()
+        request = dataclasses.replace(request, voice=canonical(request.voice))  # as `open` signed it
         regeneration = plan_regeneration(
             request,
             claims,

@@ -5,9 +5,13 @@ Debian's ``chromium`` with ``playwright-core`` (``client_js/e2e/run.mjs``) and c
 samples the player's AudioWorklet graph rendered (a tap node after the player) with the
 server's audio: bit for bit for ``pcm16``/``f32``, against libopus for ``opus``.
 
+The demo page is driven as a user drives it: it asks for the API key of a server with
+``--api-keys`` and plays once the key is typed; it shows the banner of a dev model's random
+weights; ``scripts/screenshot_demo.py`` (which rewrites ``docs/screenshot-demo.png``) runs here
+into a temporary file.
+
 Needs ``node``, ``chromium`` and ``client_js/node_modules`` (``npm ci`` in ``client_js``). When
-one is missing the tests skip, or fail when ``CI`` is set. ``UPDATE_SCREENSHOT=1`` also rewrites
-``docs/screenshot-demo.png`` (the demo page mid-stream, after a resumed connection drop).
+one is missing the tests skip, or fail when ``CI`` is set.
 """
 
 from __future__ import annotations
@@ -31,22 +35,19 @@ import pytest
 from websockets.sync.client import connect
 
 from server.audio.pcm import to_pcm16
-from server.engine.fake import expected_audio
+from server.engine.fake import FAKE_VOICES, expected_audio
 from server.engine_api import SequenceRequest, SynthesisParams
 from server.text.segments import split_segments
+from server.voices.catalog import OPENAI_VOICES
 from tests.serverproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client_js"
 CHROMIUM = Path(os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium"))
-SCREENSHOT = ROOT / "docs" / "screenshot-demo.png"
+DEMO_KEY = "demo-key-0123"
 
 TEXT = "你好，欢迎使用语音服务。今天天气很好！This is a streaming test. Does it work? 最后一句话。"
 SHORT = "Hello there. 再见。"
-DEMO_TEXT = (
-    "你好，欢迎使用语音服务。今天天气很好！This is a streaming test with a longer text, "
-    "so that the connection can drop in the middle. Does it work? 最后一句话。"
-)
 OPUS_RATE = 48_000
 OPUS_PRESKIP_48K = 312
 
@@ -100,7 +101,7 @@ def _ready(port: int) -> bool:
         return False
 
 
-def _serve(*flags: str) -> tuple[subprocess.Popen[bytes], int]:
+def _serve(*flags: str, ready_within_s: float = 60) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--engine", "fake", "--port", str(port), *flags],
@@ -109,11 +110,11 @@ def _serve(*flags: str) -> tuple[subprocess.Popen[bytes], int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + ready_within_s
     while not _ready(port):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError("the fake-engine server did not become ready")
+            raise AssertionError(f"the server ({' '.join(flags)}) did not become ready")
         time.sleep(0.1)
     return proc, port
 
@@ -195,27 +196,19 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Run every browser scenario once (one Chromium) and return the results by name."""
     node = _require_browser_tools()
     work = tmp_path_factory.mktemp("e2e")
-    fast, fast_port = _serve()
+    fast, fast_port = _serve("--voices-dir", str(work / "voices"))  # none of the user's voices
     # 16 tokens (341 ms of audio) per 450 ms step: slower than real time.
     slow, slow_port = _serve("--fake-step-ms", "450")
-    servers = [fast, slow]
+    keyed, keyed_port = _serve("--api-keys", DEMO_KEY, "--voices-dir", str(work / "voices"))
+    servers = [fast, slow, keyed]
     try:
-        screenshots = [{"path": str(work / "demo.png"), "text": TEXT, "format": "auto"}]
-        if os.environ.get("UPDATE_SCREENSHOT"):
-            # For docs/: mid-stream on a server that streams at about real time, after a dropped
-            # connection was resumed.
-            paced, paced_port = _serve("--fake-step-ms", "250")
-            servers.append(paced)
-            screenshots.append(
-                {
-                    "path": str(SCREENSHOT),
-                    "server": f"http://127.0.0.1:{paced_port}",
-                    "text": DEMO_TEXT,
-                    "format": "pcm16",
-                    "dropAfterMs": 400,
-                    "shotAfterMs": 1400,
-                }
-            )
+        keyed_url = f"http://127.0.0.1:{keyed_port}"
+        screenshots = [
+            {"name": "demo", "path": str(work / "demo.png"), "text": TEXT, "format": "auto"},
+            # The page of a server with --api-keys, as a user meets it: refused, then the key.
+            {"name": "keyed", "server": keyed_url, "apiKey": DEMO_KEY, "text": SHORT, "format": "pcm16"},
+            {"name": "wrong-key", "server": keyed_url, "apiKey": "not-the-key", "refused": True},
+        ]
         spec = {
             "server": f"http://127.0.0.1:{fast_port}",
             "scenarios": [*SCENARIOS, {**SLOW_SCENARIO, "server": f"http://127.0.0.1:{slow_port}"}],
@@ -236,7 +229,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         results: dict[str, Any] = {s["name"]: s for s in out["scenarios"]}
         results["_opus_reference"] = libopus_decode(packets, total)
         results["_opus_total"] = total
-        results["_screenshots"] = out["screenshots"]
+        results["_demo"] = {shot["name"]: shot for shot in out["screenshots"]}
         results["_screenshot_path"] = work / "demo.png"
         yield results
     finally:
@@ -326,7 +319,7 @@ def test_underruns_are_counted_and_the_audio_stays_exact(e2e: dict[str, Any]) ->
 
 
 def test_demo_page_speaks_and_shows_its_metrics(e2e: dict[str, Any]) -> None:
-    shot = e2e["_screenshots"][0]
+    shot = e2e["_demo"]["demo"]
     assert "failed" not in shot, shot
     assert shot["state"] == "finished" and shot["underruns"] == "0" and shot["reconnects"] == "0"
     assert shot["ttfa"].endswith(" ms") and shot["format"].startswith("opus")
@@ -334,9 +327,85 @@ def test_demo_page_speaks_and_shows_its_metrics(e2e: dict[str, Any]) -> None:
     assert not shot["logs"], shot["logs"]
     png = Path(e2e["_screenshot_path"]).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
-    if os.environ.get("UPDATE_SCREENSHOT"):
-        docs = e2e["_screenshots"][1]
-        assert "failed" not in docs and docs["state"] == "playing" and docs["reconnects"] == "1", docs
+    # The voice list is hello's: the same names as every port's (the engine's, OpenAI's).
+    assert shot["voices"] == [*FAKE_VOICES, *OPENAI_VOICES]
+    # The test engine has no weights: no random-weights banner.
+    assert shot["banner"]["hidden"] and shot["banner"]["weights"] == "none"
+    assert shot["connection"] == "connected"
+
+
+def test_the_demo_asks_for_the_api_key_and_plays_once_it_is_typed(e2e: dict[str, Any]) -> None:
+    """``--api-keys``: the page is refused (1008) and says so; with the key typed, it plays."""
+    shot = e2e["_demo"]["keyed"]
+    assert "failed" not in shot, shot
+    assert shot["beforeKey"] == {
+        "connection": "this server needs an API key: type it, then Connect",
+        "playDisabled": True,
+    }
+    assert shot["connection"] == "connected with the API key"
+    assert shot["state"] == "finished" and shot["format"] == "pcm16 24 kHz"
+    assert shot["segments"] == len(split_segments(SHORT)) and shot["ttfa"].endswith(" ms")
+    assert not shot["logs"], shot["logs"]
+
+
+def test_the_demo_says_when_its_api_key_is_refused(e2e: dict[str, Any]) -> None:
+    shot = e2e["_demo"]["wrong-key"]
+    assert "failed" not in shot, shot
+    assert shot["connection"] == "the server refused this API key: check it, then Connect"
+    assert shot["playDisabled"] and shot["voices"] == ["default"]  # never connected: the page's placeholder
+
+
+def _run_demo(node: str, work: Path, server: str, shots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    (work / "spec.json").write_text(json.dumps({"server": server, "scenarios": [], "screenshots": shots}))
+    run = subprocess.run(
+        [node, "e2e/run.mjs", str(work / "spec.json"), str(work / "out.json")],
+        cwd=CLIENT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, f"e2e runner failed:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    result: list[dict[str, Any]] = json.loads((work / "out.json").read_text())["screenshots"]
+    return result
+
+
+@pytest.mark.model
+def test_a_dev_model_shows_the_random_weights_banner(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The tiny random-weight model (``hello.weights`` = ``random``): the page says it plays noise."""
+    node = _require_browser_tools()
+    model = ["--engine", "chattts", "--model-dir", str(tiny_model_dir), "--device", "cpu"]
+    flags = ["--dtype", "float32", "--no-warmup", "--voices-dir", str(tmp_path / "v")]
+    proc, port = _serve(*model, *flags, ready_within_s=240)
+    try:
+        [shot] = _run_demo(node, tmp_path, f"http://127.0.0.1:{port}", [{"name": "dev", "play": False}])
+    finally:
+        _stop(proc)
+    assert "failed" not in shot, shot
+    banner = shot["banner"]
+    assert not banner["hidden"] and banner["weights"] == "random", banner
+    assert banner["text"].startswith("Random weights: this is not speech.")
+    assert "--dev-model" in banner["text"]
+    assert shot["voices"] == ["default", *OPENAI_VOICES]  # ChatTTS names one voice, then OpenAI's
+    assert not shot["logs"], shot["logs"]
+
+
+def test_the_screenshot_script_shoots_the_demo_as_it_plays_after_a_resume(tmp_path: Path) -> None:
+    """``scripts/screenshot_demo.py`` (what refreshes ``docs/screenshot-demo.png``) works as documented."""
+    _require_browser_tools()
+    out = tmp_path / "shot.png"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "screenshot_demo.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["screenshot"] == str(out) and (said["state"], said["reconnects"]) == ("playing", "1")
+    png = out.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
 # --- CORS: a page on another origin calls the HTTP API (issue 25) -------------------------------

@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 
 from server.app import App
+from server.engine.fake import FAKE_VOICES
+from server.voices.catalog import OPENAI_VOICES
 from tests.integration.conftest import fake_engine, wait_until
 from tests.wsclient import stream_payload
 
@@ -142,7 +144,9 @@ async def test_refusals_in_elevenlabs_shape(app: App, session: aiohttp.ClientSes
         assert body == {
             "detail": {
                 "status": "voice_not_found",
-                "message": "A voice with the voice_id nobody was not found.",
+                "message": "A voice with the voice_id nobody was not found. Voices here: "
+                + ", ".join([*FAKE_VOICES, *OPENAI_VOICES, "seed:<int>"])
+                + ".",
             }
         }
     async with session.post(f"{base(app)}/default", json={"text": ""}) as response:

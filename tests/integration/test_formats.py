@@ -20,7 +20,7 @@ from server.audio.flac import FlacEncoder
 from server.audio.mp3 import Mp3Encoder, frame_samples
 from server.audio.mulaw import DECODE_TABLE, ENCODE_TABLE
 from server.audio.pcm import PcmEncoder
-from server.frontends.common import OPENAI_VOICES
+from server.voices.catalog import OPENAI_VOICES
 from tests.integration.test_http_speech import TEXT, base_url, post, ws_payload
 from tests.unit.test_audio_formats import ffmpeg_decode as ffmpeg
 from tests.unit.test_audio_formats import snr_db

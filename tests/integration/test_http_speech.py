@@ -22,9 +22,9 @@ from server.audio.pcm import to_pcm16
 from server.engine.fake import FAIL_MARKER, expected_audio
 from server.engine_api import SequenceRequest, SynthesisParams
 from server.errors import StartupError
-from server.frontends.common import OPENAI_VOICES
 from server.frontends.http.files import wav_header
 from server.text.segments import split_segments
+from server.voices.catalog import OPENAI_VOICES
 from tests.integration.conftest import fake_engine, fake_settings, wait_until
 from tests.serverproc import free_port
 from tests.wsclient import open_client, stream_payload
@@ -168,7 +168,7 @@ def assert_openai_error(
         ({"model": "tts-1", "input": "Hi.", "response_format": "aac"}, "unsupported", "response_format"),
         ({"model": "tts-1", "input": "Hi.", "response_format": "ogg"}, "unsupported", "response_format"),
         ({"model": "tts-1", "input": "Hi.", "stream_format": "sse"}, "unsupported", "stream_format"),
-        ({"model": "tts-1", "input": "Hi.", "voice": "nobody"}, "unsupported", None),
+        ({"model": "tts-1", "input": "Hi.", "voice": "nobody"}, "unsupported", "voice"),
         ({"model": "tts-1", "input": "x" * 2001}, "text_too_long", None),
         ({"model": "tts-1", "input": "…!?"}, "bad_request", None),
         ([1, 2], "bad_request", None),

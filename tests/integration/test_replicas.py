@@ -96,6 +96,19 @@ async def test_a_stream_whose_owner_is_gone_is_regenerated_byte_for_byte(
     assert b.metrics.resumes.labels(how="regenerated")._value.get() == 1
 
 
+async def test_a_stream_in_an_openai_voice_name_is_regenerated_as_that_voice(make_app: MakeApp) -> None:
+    """The token signs the resolved voice (``nova`` is ``seed:16``); the resent ``start`` resolves alike."""
+    a, b = await make_app(*REPLICA), await make_app(*REPLICA)
+    start = {"id": "s", "text": TEXT, "seed": 11, "voice": "nova"}
+    expected = await unbroken(b.port, start)
+    assert expected.signature() != (await unbroken(b.port, {**start, "voice": "default"})).signature()
+    taken = await start_and_cut(a.port, start, cut_after=int(len(expected.frames) * 0.6))
+    await a.stop()
+    assert await resume_on(b.port, taken) == "done"
+    assert taken.signature() == expected.signature()
+    assert b.metrics.resumes.labels(how="regenerated")._value.get() == 1
+
+
 async def test_pcm_regenerates_only_from_the_segment_that_holds_the_resume_point(make_app: MakeApp) -> None:
     a, b = await make_app(*REPLICA), await make_app(*REPLICA)
     start = {"id": "s", "text": TEXT, "seed": 3}

@@ -31,8 +31,8 @@ from server.app import App
 from server.config import Settings
 from server.engine.fake import FAKE_VOICES
 from server.errors import StartupError
-from server.frontends.common import OPENAI_VOICES
 from server.frontends.wyoming.server import exposure_problem
+from server.voices.catalog import OPENAI_VOICES
 from tests.integration.conftest import MakeApp, fake_engine, fake_settings, wait_until
 from tests.integration.test_incremental import ANSWER, llm_tokens
 from tests.integration.test_voices import encoded, form, recording, upload

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from server.frontends.common import OPENAI_VOICES
+from server.errors import UnknownVoice
 from server.frontends.messages import convert
 
 #: What an absent ``output_format`` means here: MP3 at the model's rate (ElevenLabs' own
@@ -98,14 +98,10 @@ def output_format(name: str | None) -> OutputFormat:
     return OutputFormat(name, ours, int(match.group(2)), content_type)
 
 
-def voice_of(voice_id: str) -> str:
-    """Our voice for an ElevenLabs ``voice_id``: ours by name (OpenAI's names mapped too)."""
-    return OPENAI_VOICES.get(voice_id, voice_id)
-
-
-def unknown_voice(voice_id: str) -> ElevenLabsError:
-    """ElevenLabs' answer to a voice it does not have."""
-    return ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found.")
+def unknown_voice(unknown: UnknownVoice) -> ElevenLabsError:
+    """ElevenLabs' answer to a voice it does not have, naming the voices this server has."""
+    message = f"A voice with the voice_id {unknown.name} was not found. Voices here: {unknown.choices}."
+    return ElevenLabsError(404, "voice_not_found", message)
 
 
 #: ElevenLabs' 0-to-1 settings.

@@ -22,7 +22,7 @@ from typing import Final
 from aiohttp import web
 
 from server.config import Settings
-from server.errors import ServiceError
+from server.errors import ServiceError, UnknownVoice
 from server.frontends.access import AccessDenied, AccessGate, tenant_of
 from server.frontends.codes import code_of
 from server.frontends.common import ServerInfo, abort_transport
@@ -32,7 +32,6 @@ from server.frontends.elevenlabs.formats import (
     OutputFormat,
     output_format,
     unknown_voice,
-    voice_of,
 )
 from server.frontends.elevenlabs.session import ElevenLabsSession, SocketOptions
 from server.frontends.elevenlabs.socket import ElevenLabsSocket
@@ -101,13 +100,15 @@ class ElevenLabsApi:
     def _voice(self, request: web.Request, client: str | None) -> str:
         """The URL's voice, if ``client``'s tenant may speak it (None: a key sent later).
 
-        Each stream's opening checks the voice again for its tenant.
+        Checked here so that an unknown voice is ElevenLabs' 404 before a socket opens; each
+        stream's opening resolves the name again, for its tenant, as on every port.
         """
         voice_id = request.match_info["voice_id"]
-        voice = voice_of(voice_id)
-        if not self.service.knows_voice(voice, None if client is None else tenant_of(client)):
-            raise unknown_voice(voice_id)
-        return voice
+        try:
+            self.service.catalog.resolve(voice_id, None if client is None else tenant_of(client))
+        except UnknownVoice as unknown:
+            raise unknown_voice(unknown) from None
+        return voice_id
 
     def _output(self, request: web.Request) -> OutputFormat:
         return output_format(request.query.get("output_format"))

@@ -25,10 +25,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from server.config import Settings
-from server.errors import ServiceError
+from server.errors import ServiceError, UnknownVoice
 from server.frontends.access import AccessDenied, AccessGate, tenant_of
 from server.frontends.codes import code_of
-from server.frontends.common import OPENAI_VOICES, SendAborted, ServerInfo, abort_transport, send_within
+from server.frontends.common import SendAborted, ServerInfo, abort_transport, send_within
 from server.frontends.elevenlabs.routes import PREFIX as ELEVENLABS_PREFIX
 from server.frontends.elevenlabs.routes import ElevenLabsApi
 from server.frontends.http.accesslog import SERVER_LOG, RedactedAccessLogger
@@ -179,12 +179,13 @@ class HttpApi:
         return web.json_response({"object": "list", "data": data})
 
     async def voices(self, request: web.Request) -> web.Response:
-        """``GET /v1/audio/voices``: OpenAI names (what they map to), the engine's, those from recordings."""
+        """``GET /v1/audio/voices``: every port's voice list, each name with the voice it speaks with."""
         data: list[dict[str, object]] = [
-            {"id": name, "voice": voice} for name, voice in OPENAI_VOICES.items()
+            {"id": e.name, "voice": e.voice}
+            if e.recording is None
+            else {**e.recording.describe(), "voice": e.voice}
+            for e in self.service.catalog.entries(tenant_of(request[CLIENT]))
         ]
-        data += [{"id": v, "voice": v} for v in self.info.voices]
-        data += [{**v.describe(), "voice": v.id} for v in self.service.voices.all(tenant_of(request[CLIENT]))]
         return web.json_response(
             {"object": "list", "data": data, "formats": list(FORMATS), "also": ["seed:<int>", "<speaker>"]}
         )
@@ -208,7 +209,7 @@ class HttpApi:
         except BodyError as err:
             return counted_error(self.metrics, 400, err.code, err.message, param=err.param)
         except ServiceError as exc:
-            return service_error(exc, self.metrics)
+            return service_error(exc, self.metrics, param="voice" if isinstance(exc, UnknownVoice) else None)
         try:
             if body.live:
                 return await self._send_live(request, stream, lease, body.response_format)

@@ -15,7 +15,7 @@ from typing import Final
 import msgspec
 
 from server.frontends import messages
-from server.frontends.common import OPENAI_VOICES, RefinePrompt, Seed, Temperature, TopK, TopP
+from server.frontends.common import RefinePrompt, Seed, Temperature, TopK, TopP
 from server.frontends.messages import BadMessage
 from server.streams.request import SpeechRequest
 
@@ -125,7 +125,7 @@ def speech_request(body: SpeechBody) -> SpeechRequest:
     return SpeechRequest(
         name="http",
         text=body.input,
-        voice=OPENAI_VOICES.get(voice, voice),
+        voice=voice,  # the stream layer resolves it (OpenAI's names too), as for every port
         speed=min(OUR_SPEED[1], max(OUR_SPEED[0], body.speed)),
         format=our_format,
         sample_rate=body.sample_rate or rate,

@@ -111,7 +111,7 @@ class ConnectionProtocol:
 
     def hello(self) -> str:
         """The first message."""
-        return wire.hello(self._info, self._service.voice_names(self._owner))
+        return wire.hello(self._info, self._service.catalog.names(self._owner))
 
     @property
     def attached(self) -> dict[str, Attachment]:

@@ -299,7 +299,7 @@ class WyomingServer:
         client = client_identity(None, peer_ip(writer.transport))  # admitted by the guard already
         session = WyomingSession(
             self.service,
-            wyoming_info(self.service.voice_names()),  # recordings' voices too
+            wyoming_info(self.service.catalog.entries()),  # recordings' voices too
             client=client,
             seed=self._seed,
             abort=lambda reason: conn.abort(reason),

@@ -18,7 +18,7 @@ the actions out on a socket; tests drive this class with plain events.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -38,12 +38,12 @@ from wyoming.tts import (
 from server.config import VERSION
 from server.errors import InvalidRequest, ServiceError, Unsupported
 from server.frontends.codes import code_of
-from server.frontends.common import OPENAI_VOICES
 from server.streams.incremental import TextFeed
 from server.streams.items import Done, Failure, Frame, OutItem
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
 from server.streams.stream import Lease, Stream
+from server.voices.catalog import VoiceEntry
 
 #: Wyoming audio: signed 16-bit mono at the model's native rate.
 FORMAT, RATE, WIDTH, CHANNELS = "pcm16", 24_000, 2, 1
@@ -77,22 +77,22 @@ class Close:
 Action = Write | Deliver | Close
 
 
-def wyoming_info(voice_names: tuple[str, ...]) -> Info:
-    """The ``info`` answer to ``describe``: our voices (OpenAI's names too), zh and en, streaming.
+def wyoming_info(voices: Iterable[VoiceEntry]) -> Info:
+    """The ``info`` answer to ``describe``: every port's voice list (``VoiceCatalog``), zh and en, streaming.
 
-    ``voice_names``: the voice names now (voices made from recordings come and go).
+    ``voices``: the list now (voices made from recordings come and go). Each description says
+    what a name speaks with (``echo (ChatTTS seed:14)``) or whose recording it is.
     """
-    names = dict.fromkeys([*voice_names, *OPENAI_VOICES])
-    voices = [
+    listed = [
         TtsVoice(
-            name=name,
+            name=entry.name,
             attribution=ATTRIBUTION,
             installed=True,
-            description=name if name not in OPENAI_VOICES else f"{name} (ChatTTS {OPENAI_VOICES[name]})",
+            description=_described(entry),
             version=None,
             languages=list(LANGUAGES),
         )
-        for name in names
+        for entry in voices
     ]
     program = TtsProgram(
         name="chattts-stream",
@@ -100,17 +100,23 @@ def wyoming_info(voice_names: tuple[str, ...]) -> Info:
         installed=True,
         description="ChatTTS, streamed while it is generated",
         version=VERSION,
-        voices=voices,
+        voices=listed,
         supports_synthesize_streaming=True,
     )
     return Info(tts=[program])
 
 
+def _described(entry: VoiceEntry) -> str:
+    if entry.recording is not None:
+        return f"{entry.recording.name or entry.name} (from a recording)"
+    return entry.name if entry.voice == entry.name else f"{entry.name} (ChatTTS {entry.voice})"
+
+
 def voice_of(voice: SynthesizeVoice | None) -> str:
-    """Our voice for a Wyoming voice: by name (OpenAI names mapped); none given → ``default``."""
+    """The voice name a Wyoming voice asks for (the stream layer resolves it); none given → ``default``."""
     if voice is None or not voice.name:
         return "default"
-    return OPENAI_VOICES.get(voice.name, voice.name)
+    return voice.name
 
 
 def error_event(code: str, message: str, retry_after_ms: int | None = None) -> Event:
