@@ -1,6 +1,6 @@
 """Chaos soak (issue #25): normal clients stream while hostile ones run every attack of the issue.
 
-``python -m bench.chaos --duration-s 600 --out bench/results/chaos_soak`` starts one ``serve``
+``python -m bench.chaos --duration-s 630 --out bench/results/chaos/<hw>`` starts one ``serve``
 subprocess (fake engine, loopback only: WebSocket, HTTP and Wyoming ports, API keys with a
 ``normal`` and a ``hostile`` tenant, an allowed origin, ``--memory-budget-bytes``), then
 alternates *quiet* windows (normal clients alone) and *attack* windows (normal clients while

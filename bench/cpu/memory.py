@@ -11,7 +11,7 @@ sampled. RSS does not depend on the machine's load; the load average is recorded
 together to ``--row-tokens`` tokens each (the longest a segment may run by default is 2048),
 RSS and the reported KV after every block: what the memory is when every stream runs long.
 
-    python -m bench.cpu.memory --model-dir DIR --before /tmp/before --out bench/results/cpu_memory
+    python -m bench.cpu.memory --model-dir DIR --before /tmp/before --out bench/results/cpu/memory-<hw>
 """
 
 from __future__ import annotations

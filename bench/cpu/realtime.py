@@ -5,7 +5,7 @@
     python -m server make-dev-model --size full /tmp/dev-full
     mkdir /tmp/before && git archive d178f8d | tar -x -C /tmp/before      # the code before #23
     python -m bench.cpu --model-dir /tmp/dev-full --before /tmp/before --before-commit d178f8d \\
-        --out bench/results/cpu_realtime
+        --out bench/results/cpu/<hw>
 
 1. **step** (:mod:`bench.cpu.step`, one child process): the memory floor, the GPT's 140
    products in each form, transformers' own ``LlamaModel``, and the engine's token step
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu.report import SERVER_ENGINE, render
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 from bench.harness.servers import CHILD_ENV, REPO_ROOT, ServerProcess, engine_thread_figures, scrape_metrics
 from server.config import OPENMP_VARIABLES, Settings
 from server.engine.flags import thread_environment
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step-compiled", default="", help="the step part also times the compiled step: bf16, int8, w8a8"
     )
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/cpu_realtime")
+    p.add_argument("--out", type=Path, default=result_stem("cpu"))
     return p
 
 

@@ -1,6 +1,6 @@
 """``python -m bench.gpu.engine``: where the engine's time goes on a GPU, in-process, no server.
 
-``python -m bench.gpu.engine --model-dir DIR --device cuda --out bench/results/gpu_engine-<gpu>``
+``python -m bench.gpu.engine --model-dir DIR --device cuda --out bench/results/gpu/engine-<gpu>``
 
 The server stage of :mod:`bench.gpu` tells how many streams play; this tells why not more.
 The engine of this tree (bf16, CUDA graphs as served, EOS banned so every job runs to its

@@ -2,7 +2,7 @@
 
 On a CUDA machine, in under 9 minutes by default (``--budget-s``)::
 
-    python -m bench.gpu                      # writes bench/results/gpu-<gpu name>.json and .md
+    python -m bench.gpu                      # writes bench/results/gpu/<gpu>.json and .md (e.g. h200)
 
 1. **tests**: the model tests (``tests/model``) with the engine on the device
    (``CHATTTS_TEST_DEVICE``);
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="pytest-xdist processes for the model tests, a test file each (default 8 on a GPU, where "
         "all of tests/model took 110 s in 12 instead of not finishing in 170 s in one; 0: one process)",
     )
-    p.add_argument("--out", type=Path, help="output prefix (default bench/results/gpu-<device name>)")
+    p.add_argument(
+        "--out", type=Path, help="output prefix (default bench/results/gpu/<device name>, e.g. h200)"
+    )
     return p
 
 
@@ -355,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # children inherit it (see bench/README)
     info = versions(args.device)
     if args.out is None:
-        name = "cpu" if args.device == "cpu" else slug(info.get("gpu") or args.device)
-        base = Path(tempfile.gettempdir()) if args.smoke else REPO_ROOT / "bench" / "results"
-        args.out = base / f"gpu-{name}"
+        name = "cpu" if args.device == "cpu" else slug(info.get("gpu") or args.device).removeprefix("nvidia-")
+        base = Path(tempfile.gettempdir()) if args.smoke else REPO_ROOT / "bench" / "results" / "gpu"
+        args.out = base / name
     run = Run(args, argv, args.out)
     run.results["versions"] = info
     print(f"[bench.gpu] {info}; budget {args.budget_s:.0f} s; results → {args.out}.json/.md", flush=True)

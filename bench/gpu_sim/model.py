@@ -54,7 +54,7 @@ EN_CHARS_PER_PROMPT_TOKEN = 4
 class CostModel:
     """Device time of one H100 (and the host costs that live in the CUDA driver), in seconds.
 
-    Sources (bench/results/gpu-nvidia-h200-*.md, one H200, bf16, the full-size dev model):
+    Sources (bench/results/gpu/*h200.md, one H200, bf16, the full-size dev model):
 
     - ``step_base_s`` 2.3 ms: the captured token step at batch 1 took 2.26 ms (2.31 in the
       first check); the step of a 190 M model is launch- and latency-bound, not bandwidth-bound

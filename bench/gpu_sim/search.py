@@ -6,7 +6,7 @@ charges an H100 cost model for the device (:mod:`bench.gpu_sim.model`, every con
 with its source in the H200 results), while the host's work is charged at the CPU time it
 really takes on this machine. Listeners play every stream in real time from its first audio::
 
-    python -m bench.gpu_sim                         # writes bench/results/gpu_sim.json and .md
+    python -m bench.gpu_sim                         # writes bench/results/gpu_sim/h100.json and .md
     python -m bench.gpu_sim --levels 8,16 --duration-s 6 --no-bisect --out /tmp/sim   # seconds
 
 Per level (``--levels``, each with every ``--arrivals``: ``burst``, all at once; ``poisson``,
@@ -28,7 +28,7 @@ from typing import Any
 from bench.gpu_sim.level import TTFA_P99_LIMIT_S, SimSettings, dump, mean_stream_s, run_level
 from bench.gpu_sim.model import CostModel
 from bench.gpu_sim.report import render
-from bench.harness.machine import describe_machine
+from bench.harness.machine import RESULTS_DIR, describe_machine
 from bench.harness.textset import DEFAULT_TEXTS, load_texts
 from server.core.policy import PolicyConfig
 
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=43)
     p.add_argument("--note", default="", help="what changed since the last committed run (for the report)")
     p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS, help="the streams' texts (.jsonl)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/gpu_sim"), help="writes OUT.json, OUT.md")
+    p.add_argument(
+        "--out", type=Path, default=RESULTS_DIR / "gpu_sim" / "h100", help="writes OUT.json, OUT.md"
+    )
     return p
 
 

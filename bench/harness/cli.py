@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument(
         "--jitter-ms", default="100,300", help="jitter-buffer start thresholds of the listener"
     )
-    measure.add_argument("--out", type=Path, help="output prefix (default bench/results/run-<time>)")
+    measure.add_argument("--out", type=Path, help="output prefix (default bench/results/harness/run-<time>)")
     measure.add_argument("--title", default="", help="one line describing the run, for plots and the table")
     measure.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     measure.add_argument(
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out = (
             (Path(tempfile.gettempdir()) / f"bench-smoke-{stamp}")
             if args.smoke
-            else RESULTS_DIR / f"run-{stamp}"
+            else RESULTS_DIR / "harness" / f"run-{stamp}"
         )
     if args.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
         CHILD_ENV["OMP_WAIT_POLICY"] = args.omp_wait_policy

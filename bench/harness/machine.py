@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,29 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+#: Where committed results live: one current result per question and hardware (its README indexes them).
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
+#: CPU families named in result files, by a word of the CPU's model name.
+_FAMILIES = ("epyc", "xeon", "ryzen", "threadripper", "core", "graviton", "neoverse")
+
+
+def hardware_name(model: str | None = None, cores: int | None = None) -> str:
+    """This CPU as ``bench/results`` names it: its family and core count, e.g. ``xeon-2core``.
+
+    A GPU result is named by its GPU instead (``bench.gpu``: ``h200``).
+    """
+    model = (model if model is not None else _cpu_model()).lower()
+    words = re.findall(r"[a-z0-9]+", model.replace("(r)", " ").replace("(tm)", " "))
+    family = next((w for w in words if w in _FAMILIES), words[0] if words else "cpu")
+    return f"{family}-{cores or os.cpu_count() or 1}core"
+
+
+def result_stem(folder: str, question: str = "") -> Path:
+    """``bench/results/<folder>/<question>-<hardware>`` (no suffix): where a rerun here overwrites."""
+    name = f"{question}-{hardware_name()}" if question else hardware_name()
+    return RESULTS_DIR / folder / name
 
 
 def describe_machine() -> dict[str, Any]:

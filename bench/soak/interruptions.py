@@ -1,6 +1,6 @@
 """pipecat's and LiveKit's own ElevenLabs services, interrupted again and again (issue #42, acceptance 3).
 
-``python -m bench.soak.interruptions --rounds 100 --out bench/results/elevenlabs_interruptions`` starts
+``python -m bench.soak.interruptions --rounds 100 --out bench/results/soak/interruptions-<hw>`` starts
 one ``serve`` subprocess (fake engine, slower than a GPU so that every answer is still being made
 when it is interrupted), then drives the frameworks' unchanged services with only their base URL
 pointed at it:

@@ -2,7 +2,7 @@
 # Issue #17, acceptance 6: the server before the architecture rework (commit ee2787d, checked out
 # with `git worktree add /tmp/arch-before ee2787d`) against this tree, closed loop with 8 streams
 # on the fake engine, pcm16 and opus, interleaved round by round so that the load of a shared
-# machine falls on both. Results: bench/results/arch-c8-fake.{md,json}.
+# machine falls on both. Results: bench/results/studies/arch-c8-fake-<hw>.{md,json}.
 #   ROUNDS="1 2 3 4 5 6" bench/studies/ab_arch_c8.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,7 @@
 """The compiled CPU step's single-query attention against reading the same bytes (issue #23).
 
-``python -m bench.studies.attention --shapes 1x128,4x256,8x320 --threads 2 --out bench/results/attention_cpu``
+``python -m bench.studies.attention --shapes 1x128,4x256,8x320 --threads 2 \\
+    --out bench/results/studies/attention-<hw>``
 
 At eight streams the token step reads two things from memory: the GPT's weights and every
 row's keys and values up to the attention length (the longest row's bucket). This bench

@@ -3,7 +3,7 @@
 Usage:
     python -m bench.studies.chattts_engine --make-model /tmp/chattts-full  # once: full-size random weights
     python -m bench.studies.chattts_engine --model-dir /tmp/chattts-full --threads 2 \
-        --out bench/results/chattts_engine_cpu.json
+        --out bench/results/studies/chattts-engine-<hw>.json
     python -m bench.studies.chattts_engine --rss --threads 2   # RSS over 200 requests (tiny model)
 
 Measures (full-size model):

@@ -1,9 +1,9 @@
 """What each ``--dtype`` costs and buys: float32 vs bfloat16 (vs float16 on CUDA), one process.
 
 Usage:
-    python -m bench.studies.dtype --model-dir /tmp/devfull --threads 2 --out bench/results/dtype_cpu
+    python -m bench.studies.dtype --model-dir /tmp/devfull --threads 2 --out bench/results/studies/dtype-<hw>
     python -m bench.studies.dtype --model-dir DIR --device cuda --dtypes float32,bfloat16,float16 \
-        --batches 1,8,32 --out bench/results/dtype_cuda
+        --batches 1,8,32 --out bench/results/studies/dtype-<gpu>
 
 (``/tmp/devfull``: ``chattts-stream make-dev-model --size full /tmp/devfull``; or pass
 ``--make-model`` to write it when missing.)

@@ -8,7 +8,8 @@ one repeat of each in turn, so that load from other processes hits all alike.
 
 Usage::
 
-    python bench/studies/encoder_cost.py [--seconds 20] [--repeats 5] [--out bench/results/encoder_cost_cpu]
+    python bench/studies/encoder_cost.py [--seconds 20] [--repeats 5] \\
+        [--out bench/results/studies/encoder-cost-<hw>]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.harness.machine import result_stem
 from bench.studies.opus_cost import NATIVE, machine, measure, signal
 
 CASES = [
@@ -40,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench/results/encoder_cost_cpu")
+    parser.add_argument("--out", default=str(result_stem("studies", "encoder-cost")))
     args = parser.parse_args()
     audio = signal("speech", args.seconds)
     runs: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in CASES}

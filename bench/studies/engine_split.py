@@ -1,7 +1,8 @@
 """Where the engine's time goes in a closed loop: token steps, audio decode, prefill, the rest.
 
 ``python -m bench.studies.engine_split --model-dir DIR --compile-step on --quantize w8a8 \\
-    --concurrency 1,8 --duration 40 --max-audio-s 6 --threads 2 --out bench/results/engine_split``
+    --concurrency 1,8 --duration 40 --max-audio-s 6 --threads 2 \\
+    --out bench/results/studies/engine-split-<hw>``
 
 The engine stepped in-process exactly as :mod:`bench.baselines.engine` steps it (a closed loop of
 N jobs, each finished job replaced at once), with three of its calls timed from the outside:

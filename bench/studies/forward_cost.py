@@ -11,7 +11,8 @@ clients) per stream; the ratios are forwarded / direct.
 
 Usage::
 
-    python -m bench.studies.forward_cost [--rounds 20] [--streams 8] [--out bench/results/forward_cost_cpu]
+    python -m bench.studies.forward_cost [--rounds 20] [--streams 8] \\
+        [--out bench/results/studies/forward-cost-<hw>]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 from server.app import App
 from server.config import load_settings
 
@@ -146,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--out", default="bench/results/forward_cost_cpu")
+    parser.add_argument("--out", default=str(result_stem("studies", "forward-cost")))
     args = parser.parse_args()
     machine = describe_machine()
     result = uvloop.run(run(args))

@@ -5,7 +5,7 @@ Usage (full-size random-weight model; the "before" code is a checkout of the com
     python -m server make-dev-model --size full /tmp/dev-full
     git worktree add /tmp/gpu-before ee2787d
     python -m bench.studies.hotpath --model-dir /tmp/dev-full --before /tmp/gpu-before \\
-        --out bench/results/hotpath_cpu
+        --out bench/results/studies/hotpath-<hw>
 
 Three long-lived child processes (``bench.baselines.system``) each load one system once: the
 engine of ``--before``, the engine of this tree, and ChatTTS's ``Chat.infer(stream=True)``
@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 
 REPO = Path(__file__).resolve().parents[2]
 CATEGORIES = ("llama", "sampling", "decode", "prefill")
@@ -288,7 +288,7 @@ def main() -> int:
     parser.add_argument("--ttfa", type=int, default=8, help="time-to-first-audio samples per engine")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8])
     parser.add_argument("--no-native", action="store_true", help="skip ChatTTS's infer()")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/hotpath_cpu")
+    parser.add_argument("--out", type=Path, default=result_stem("studies", "hotpath"))
     args = parser.parse_args()
 
     def commit(root: Path) -> str:

@@ -1,6 +1,6 @@
 """How torch's idle OpenMP threads should wait (issue #23): the token step per wait setting, alone and shared.
 
-``python -m bench.studies.omp_spin --model-dir DIR --out bench/results/cpu_spin``
+``python -m bench.studies.omp_spin --model-dir DIR --out bench/results/studies/omp-spin-<hw>``
 
 libgomp (the OpenMP of PyTorch's pip wheels) reads its wait settings once, when torch
 loads, so every setting runs in a child process of its own: ``OMP_WAIT_POLICY=PASSIVE``
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 from bench.harness.servers import REPO_ROOT
 from server.config import OPENMP_VARIABLES
 
@@ -114,7 +114,7 @@ def main() -> int:
     p.add_argument("--hogs", type=int, default=1, help="busy-looping processes of the 'shared' case")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/cpu_spin")
+    p.add_argument("--out", type=Path, default=result_stem("studies", "omp-spin"))
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.model_dir, args.threads)), flush=True)

@@ -10,7 +10,7 @@ two threads should finish in about half the wall time on a 2+ core machine.
 
 Usage::
 
-    python bench/studies/opus_cost.py [--seconds 20] [--out bench/results/opus_cost_cpu]
+    python bench/studies/opus_cost.py [--seconds 20] [--out bench/results/studies/opus-cost-<hw>]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
 
 from audio_signals import fake_audio, speech_like
 
+from bench.harness.machine import result_stem
 from server.audio import FrameEncoder, make_encoder
 from server.audio.opus import libopus_version
 
@@ -310,7 +311,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="audio seconds per measurement")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench/results/opus_cost_cpu")
+    parser.add_argument("--out", default=str(result_stem("studies", "opus-cost")))
     args = parser.parse_args()
 
     rows = []

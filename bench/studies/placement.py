@@ -12,7 +12,8 @@ closed-loop scenario of ``--concurrency`` streams for ``--seconds`` through the 
 shared machine slows every system alike; the report gives each system's medians over the
 rounds and its ratio to the in-process engine taken round by round.
 
-    python -m bench.studies.placement --model-dir DIR --rounds 4 --out bench/results/cpu_placement
+    python -m bench.studies.placement --model-dir DIR --rounds 4 \\
+        --out bench/results/studies/placement-threads-<hw>
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ counts how the HTTP connections were answered (held open, refused with 503, or n
 connected). ``--tree DIR`` runs the server of another checkout (``git worktree add /tmp/old
 main``) for the same probe on the code before the fix.
 
-    python -m bench.studies.port_flood --nofile 1024 --silent 1010 --out bench/results/port_flood
+    python -m bench.studies.port_flood --nofile 1024 --silent 1010 --out bench/results/studies/port-flood
 """
 
 from __future__ import annotations

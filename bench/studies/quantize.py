@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m bench.studies.quantize --model-dir /tmp/dev-full --threads 2 --out bench/results/quantize_cpu
+    python -m bench.studies.quantize --model-dir /tmp/dev-full --threads 2 \\
+        --out bench/results/studies/quantize-<hw>
 
 Random weights allow no listening test, so fidelity is measured as ChatTTS's own
 reference would be: the same seeded requests (default sampling: temperature 0.3, top-p

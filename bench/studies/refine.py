@@ -1,8 +1,10 @@
 """What ``refine: true`` adds to the time to first audio: refinement off vs on, one process.
 
 Usage:
-    python -m bench.studies.refine --model-dir /tmp/devfull --threads 2 --out bench/results/refine_cpu
-    python -m bench.studies.refine --model-dir DIR --device cuda --batches 1,8 --out bench/results/refine_cuda
+    python -m bench.studies.refine --model-dir /tmp/devfull --threads 2 \\
+        --out bench/results/studies/refine-<hw>
+    python -m bench.studies.refine --model-dir DIR --device cuda --batches 1,8 \\
+        --out bench/results/studies/refine-<gpu>
 
 (``/tmp/devfull``: ``chattts-stream make-dev-model --size full /tmp/devfull``; or pass
 ``--make-model`` to write it when missing.)

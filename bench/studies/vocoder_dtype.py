@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 
 
 def spoken_hiddens(model_dir: Path, tokens: int) -> tuple[Any, Any, torch.Tensor]:
@@ -132,7 +132,7 @@ def main() -> int:
     parser.add_argument("--hidden-tokens", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/vocoder_dtype_cpu"))
+    parser.add_argument("--out", type=Path, default=result_stem("studies", "vocoder-dtype"))
     args = parser.parse_args()
     command = "python -m bench.studies.vocoder_dtype " + " ".join(sys.argv[1:])
     machine = describe_machine()

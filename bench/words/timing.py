@@ -11,7 +11,7 @@ method and for the simpler ones it was chosen against.
 
 Usage::
 
-    python -m bench.words [--out bench/results/word_timing] [--rates 150,180,210]
+    python -m bench.words [--out bench/results/words/<hw>] [--rates 150,180,210]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from bench.harness.machine import describe_machine
+from bench.harness.machine import describe_machine, result_stem
 from bench.harness.textset import DEFAULT_TEXTS, BenchText, load_texts
 from bench.words.espeak import Espeak, RefWord, Utterance
 from server.text.normalize import speakable
@@ -341,7 +341,7 @@ NOTES = [
 def main(argv: list[str] | None = None) -> int:
     """Run the measurement and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/word_timing"))
+    parser.add_argument("--out", type=Path, default=result_stem("words"))
     parser.add_argument("--rates", default="150,180,210", help="espeak-ng speaking rates, words per minute")
     parser.add_argument("--noise-db", type=float, default=45.0, help="noise floor below the speech RMS")
     parser.add_argument("--seed", type=int, default=26)

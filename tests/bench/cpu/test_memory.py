@@ -1,5 +1,5 @@
 """``python -m bench.cpu.memory`` and ``bench.studies.placement`` on the tiny model: the scripts behind
-bench/results/cpu_memory.md and cpu_placement_*.md still run (issue #23)."""
+bench/results/cpu/memory-*.md and studies/placement-*.md still run (issue #23)."""
 
 from __future__ import annotations
 

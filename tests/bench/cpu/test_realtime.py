@@ -1,9 +1,9 @@
 """``python -m bench.cpu`` on the tiny model, small: issue #23's comparison command still runs.
 
-The committed result (``bench/results/cpu_realtime.md``) came from the full-size model; this
-checks that the command, its step child and its report keep working (every step row, the
-split, the profile, one server scenario with ``hello.compute``, and part 'ratio' in its
-interleaved order).
+The committed results (``bench/results/cpu/xeon-2core.md``, ``cpu/epyc-2core.md``) came from the
+full-size model; this checks that the command, its step child and its report keep working (every
+step row, the split, the profile, one server scenario with ``hello.compute``, and part 'ratio' in
+its interleaved order).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``python -m bench.studies.refine`` on the tiny model: the script behind refine_cpu.md still runs."""
+"""``python -m bench.studies.refine`` on the tiny model: the script behind its committed result still runs.
+
+(``bench/results/studies/refine-epyc-2core.md``.)
+"""
 
 from __future__ import annotations
 

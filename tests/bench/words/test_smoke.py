@@ -2,7 +2,7 @@
 
 Needs espeak-ng (scripts/setup.sh --dev installs it). The numbers are deterministic (espeak-ng
 and the seeded noise), so the English targets of issue 26 and the gain over the naive
-baselines hold here as in the committed bench/results/word_timing.md.
+baselines hold here as in the committed bench/results/words/xeon-2core.md.
 """
 
 from __future__ import annotations
