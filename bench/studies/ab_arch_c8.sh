@@ -5,7 +5,7 @@
 # machine falls on both. Results: bench/results/studies/arch-c8-fake-<hw>.{md,json}.
 #   ROUNDS="1 2 3 4 5 6" bench/studies/ab_arch_c8.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BEFORE=${BEFORE:-/tmp/arch-before}
 OUT=${OUT:-/tmp/archbench}
 mkdir -p "$OUT"
