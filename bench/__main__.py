@@ -1,8 +1,8 @@
-"""``python -m bench``: run the harness (see :mod:`bench.cli`)."""
+"""``python -m bench``: run the harness (see :mod:`bench.harness.cli`)."""
 
 import sys
 
-from bench.cli import main
+from bench.harness.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

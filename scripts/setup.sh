@@ -27,7 +27,7 @@ APT_PACKAGES=(libopus0)
 if [[ $DEV -eq 1 ]]; then
   # opus-tools: opusinfo/opusdec check our Ogg Opus; chromium (+ node) runs the browser tests;
   # ffmpeg decodes our mp3 (gapless tag) and flac (libsndfile cannot read a FLAC stream of unknown length);
-  # espeak-ng speaks with known word boundaries for bench.word_timing (tests/bench/test_word_timing_smoke.py);
+  # espeak-ng speaks with known word boundaries for bench.words (tests/bench/words/test_smoke.py);
   # haproxy is the round-robin load balancer in front of three replicas (tests/integration/test_cluster.py);
   # fonts-noto-cjk draws the demo page's Chinese text in its screenshot (scripts/screenshot_demo.py).
   APT_PACKAGES+=(opus-tools chromium ffmpeg espeak-ng haproxy fonts-noto-cjk)

@@ -23,7 +23,8 @@ ENV_PREFIX = "CHATTTS_"
 VERSION = "0.1.0"
 
 
-#: ``--omp-spin-count`` (why: bench/results/cpu_spin_epyc.md); the variables libgomp's waits obey.
+#: ``--omp-spin-count`` (why: bench/results/studies/omp-spin-epyc-2core.md); the variables libgomp's
+#: waits obey.
 DEFAULT_OMP_SPIN_COUNT = 10_000
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

@@ -16,7 +16,7 @@ SUPPORTED_FORMATS: tuple[str, ...] = ("pcm16", "f32", "opus", "ogg", "mp3", "fla
 #: 8 kHz is telephony's rate (``mulaw``), open to every format.
 SUPPORTED_RATES: tuple[int, ...] = (8_000, 16_000, 24_000, 48_000)
 #: Formats whose encoding costs enough CPU to belong off the event loop (see
-#: bench/results/opus_cost_cpu.md and encoder_cost_cpu.md); PCM framing is cheap
+#: bench/results/studies/opus-cost-epyc-2core.md and encoder-cost-epyc-2core.md); PCM framing is cheap
 #: enough to stay inline. ``mulaw`` is a table lookup, but telephony asks for it
 #: at 8 kHz, so it nearly always resamples.
 CPU_HEAVY_FORMATS: frozenset[str] = frozenset({"opus", "ogg", "mp3", "flac", "mulaw"})

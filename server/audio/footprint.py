@@ -4,7 +4,7 @@ The state lives mostly in C (libopus, LAME, libFLAC, libsoxr), out of tracemallo
 each figure is the growth of a process's RSS per encoder over 1000 live encoders of one format
 and rate, each after 0.5 s of audio pushed through it (every lazily made buffer exists then),
 or tracemalloc's count where that was larger, rounded up to KiB. Measured with
-``python -m bench.encoder_state --n 1000`` (each format and rate in a fresh process; x86-64,
+``python -m bench.studies.encoder_state --n 1000`` (each format and rate in a fresh process; x86-64,
 Python 3.11, the locked package versions) on 2026-12-06. Rates other than 24 kHz include the
 libsoxr resampler (``HQ``): about 128 KiB to 8 kHz, 135 KiB to 16 kHz, 207 KiB to 48 kHz.
 An encoder the server builds with other options (bitrate, complexity) is within a few KiB.

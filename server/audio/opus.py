@@ -49,7 +49,7 @@ FRAME_MS = 20
 #: Default target bitrate (bit/s). Speech at 24 kHz sounds transparent-ish from
 #: ~24 kbit/s; 32 kbit/s leaves headroom for the tonal/noisy parts of TTS output.
 DEFAULT_BITRATE = 32_000
-#: Default libopus complexity (0..10). See bench/results/opus_cost_cpu.md for
+#: Default libopus complexity (0..10). See bench/results/studies/opus-cost-epyc-2core.md for
 #: the measured cost of 5 vs 10 and the reason for this default.
 DEFAULT_COMPLEXITY = 5
 _EMPTY: AudioArray = np.zeros(0, dtype=np.float32)

@@ -20,7 +20,7 @@ known exactly: the segment's text and its audio span. Two steps, both pure:
    silence is inside a word. Between two pauses, words share the time by their weights.
 
 The method and its measured error on speech with known word boundaries (espeak-ng, English
-and Mandarin): ``python -m bench.word_timing``, bench/results/word_timing.md, and
+and Mandarin): ``python -m bench.words``, bench/results/words/xeon-2core.md, and
 docs/protocol.md ("Word timestamps (method)").
 """
 
@@ -80,7 +80,7 @@ class TimedWord(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class AlignParams:
-    """The aligner's constants (the defaults are the measured choice: bench/word_timing.py).
+    """The aligner's constants (the defaults are the measured choice: bench/words/timing.py).
 
     Attributes:
         frame_s: energy frame (and time resolution) in seconds.

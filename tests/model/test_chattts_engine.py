@@ -244,7 +244,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
     """Prompts of many lengths reach the model at a few padded lengths, all of them seen in warm-up.
 
     One kernel shape per prompt length made the CPU process grow without end in the soak
-    (bench/results/rss_shapes_tiny_cpu.md); this pins the mechanism that keeps it flat.
+    (bench/results/studies/rss-shapes-epyc-2core.md); this pins the mechanism that keeps it flat.
     """
     from server.engine.chattts.engine import ChatTTSEngine
 

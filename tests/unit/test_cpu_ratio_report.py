@@ -1,4 +1,4 @@
-"""Part 'ratio' of ``bench.cpu_realtime``: the interleaved order and how its rounds become the target.
+"""Part 'ratio' of ``bench.cpu``: the interleaved order and how its rounds become the target.
 
 The c8 ratio target (a server ≥ 0.95× its engine in-process) was decided by two single runs,
 on a machine whose run-to-run spread is as large as the gap; part 'ratio' alternates the two
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from bench.cpu_realtime import interleaved
-from bench.cpu_report import interleaved_pairs, render, targets
+from bench.cpu.realtime import interleaved
+from bench.cpu.report import interleaved_pairs, render, targets
 
 
 def scenario(system: str, throughput: float, round_: int | None, concurrency: int = 8) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def scenario(system: str, throughput: float, round_: int | None, concurrency: in
 
 def result_with(ratio_scenarios: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "command": "python -m bench.cpu_realtime --parts ratio",
+        "command": "python -m bench.cpu --parts ratio",
         "settings": {"threads": 2},
         "machine": {"cpu_model": "test", "cpu_cores": 2, "loadavg_at_start": [0.0], "loadavg_now": [0.0]},
         "commits": {"after": "abc"},

@@ -160,7 +160,7 @@ async def test_the_memory_budget_frees_the_oldest_ended_stream_first(pool: Threa
 
 
 def test_every_format_and_rate_has_a_measured_encoder_size() -> None:
-    # A new format or rate must be measured (python -m bench.encoder_state), not charged a guess.
+    # A new format or rate must be measured (python -m bench.studies.encoder_state), not charged a guess.
     from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
     from server.audio.footprint import ENCODER_STATE_BYTES
 

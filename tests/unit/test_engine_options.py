@@ -177,7 +177,7 @@ def _arrivals(schedule: tuple[int, ...], token_s: float, blocks: int) -> list[tu
 
 @pytest.mark.parametrize("token_ms", [15.0, 17.0, 19.0])
 def test_the_default_ramp_keeps_a_300_ms_listener_fed_at_a_step_just_under_real_time(token_ms: float) -> None:
-    from bench.listener import simulate
+    from bench.harness.listener import simulate
 
     blocks = 12
     default = simulate(_arrivals(EngineOptions().block_schedule, token_ms / 1000, blocks), 0.3)

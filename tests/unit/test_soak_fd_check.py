@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.soak_report import Sample, analyse_samples
+from bench.harness.sampler import Sample
+from bench.soak.report import analyse_samples
 
 
 def _samples(before: list[int], after: list[int]) -> list[Sample]:

@@ -9,6 +9,16 @@ The rules are by package, so a new module is checked the moment it lands in its 
 - front ends (``server.frontends``) reach the model through the stream layer only: never
   ``server.engine`` or ``server.core``;
 - nothing imports the composition root (``server.app``) but the command line.
+
+``bench/`` has the same kind of rules, by purpose rather than by layer (``bench/README.md``):
+
+- no module sits directly in ``bench/`` but ``__init__`` and ``__main__`` (the harness's entry);
+- the harness (``bench.harness``) imports nothing else of ``bench``;
+- the baselines (``bench.baselines``) import the harness only;
+- a suite (``bench.cpu``, ``bench.gpu``, ...) imports the harness, the baselines and itself, never
+  another suite;
+- nothing imports a study (``bench.studies``) but another study;
+- ``tests/bench`` has one folder per ``bench`` package.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 import pytest
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
+BENCH = SERVER.parent / "bench"
 
 
 def module_name(path: Path) -> str:
@@ -27,7 +38,7 @@ def module_name(path: Path) -> str:
 
 
 def imports(root: Path = SERVER) -> dict[str, set[str]]:
-    """Each server module → the server modules it imports (type-checking imports included)."""
+    """Each module under ``root`` → the modules under it that it imports (type-checking imports included)."""
     modules = {module_name(p): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -39,7 +50,7 @@ def imports(root: Path = SERVER) -> dict[str, set[str]]:
                 candidates = [alias.name for alias in node.names]
             else:
                 continue
-            found |= {c for c in candidates if c in modules and c != name and c != "server"}
+            found |= {c for c in candidates if c in modules and c != name and c != root.name}
         graph[name] = found
     return graph
 
@@ -78,8 +89,9 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
-def test_no_import_cycle() -> None:
-    graph = imports()
+@pytest.mark.parametrize("root", [SERVER, BENCH], ids=["server", "bench"])
+def test_no_import_cycle(root: Path) -> None:
+    graph = imports(root)
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(node: str, path: list[str]) -> None:
@@ -132,3 +144,69 @@ def test_no_module_repeats_its_folders_name_as_a_prefix() -> None:
         if p.parent != SERVER and p.stem.startswith(p.parent.name.rstrip("s") + "_")
     ]
     assert repeated == []
+
+
+# --- bench/: folders by purpose ---------------------------------------------------------------
+
+#: The suites: each a package with a ``__main__``, importing the harness and the baselines only.
+SUITES = ("bench.cpu", "bench.gpu", "bench.gpu_sim", "bench.chaos", "bench.soak", "bench.words")
+
+
+def bench_package(module: str) -> str:
+    """``bench.chaos.attacks`` → ``bench.chaos``; ``bench.__main__`` → ``bench``."""
+    return ".".join(module.split(".")[:2])
+
+
+def bench_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in sorted(graph.items()):
+        own = bench_package(module)
+        for dep in sorted(deps):
+            theirs = bench_package(dep)
+            if theirs in (own, "bench"):
+                continue
+            if own == "bench.harness":
+                found.append(f"{module} imports {dep}: the harness imports nothing else of bench")
+            elif own == "bench.baselines" and theirs != "bench.harness":
+                found.append(f"{module} imports {dep}: a baseline imports the harness only")
+            elif own in SUITES and theirs not in ("bench.harness", "bench.baselines"):
+                found.append(f"{module} imports {dep}: a suite imports the harness, never another suite")
+            elif theirs == "bench.studies" and own != "bench.studies":
+                found.append(f"{module} imports {dep}: nothing imports a study")
+    return found
+
+
+def test_bench_holds_only_its_entry_point_and_packages() -> None:
+    loose = sorted(p.name for p in BENCH.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
+    assert loose == [], "a bench module belongs in a folder by purpose (bench/README.md)"
+    packages = {p.parent.name for p in BENCH.glob("*/__init__.py")}
+    assert {s.removeprefix("bench.") for s in SUITES} <= packages
+    assert all((BENCH / s.removeprefix("bench.") / "__main__.py").is_file() for s in SUITES)
+
+
+def test_suites_import_the_harness_and_not_each_other() -> None:
+    assert bench_violations(imports(BENCH)) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "dep"),
+    [
+        ("bench.chaos.run", "bench.soak.report"),  # a suite borrowing another's module
+        ("bench.gpu.run", "bench.cpu.report"),
+        ("bench.harness.cli", "bench.baselines.infer"),
+        ("bench.baselines.engine", "bench.cpu.step"),
+        ("bench.cpu.realtime", "bench.studies.dtype"),
+    ],
+)
+def test_the_bench_rules_catch_a_forbidden_import(module: str, dep: str) -> None:
+    graph = imports(BENCH)
+    graph[module] = {*graph[module], dep}
+    assert any(v.startswith(f"{module} imports {dep}") for v in bench_violations(graph))
+
+
+def test_tests_bench_follows_the_bench_folders() -> None:
+    tests_bench = SERVER.parent / "tests" / "bench"
+    folders = {p.name for p in tests_bench.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    packages = {p.parent.name for p in BENCH.glob("*/__init__.py")}
+    assert folders <= packages, folders - packages
+    assert not list(tests_bench.glob("test_*.py")), "a bench test lives in its suite's folder"

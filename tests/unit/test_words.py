@@ -2,7 +2,7 @@
 
 Pure logic on synthetic audio whose word boundaries are known by construction (tone bursts
 with silences or dips between them). The accuracy on speech is measured by
-``python -m bench.word_timing`` (espeak-ng; tests/bench/test_word_timing_smoke.py runs it).
+``python -m bench.words`` (espeak-ng; tests/bench/words/test_smoke.py runs it).
 """
 
 from __future__ import annotations

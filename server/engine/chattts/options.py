@@ -38,7 +38,7 @@ class EngineOptions:
     block's audio minus its generation time, so each block may be only a little longer than the
     one before. ``8,16,20,24,32`` under-ran at the 32-token block once a token took 18 ms (on two
     CPU cores with the compiled w8a8 step); this one holds up to about 19 ms, 0.89 of real time
-    (``tests/unit/test_engine_options.py``, ``bench/results/cpu_c1_timeline.md``).
+    (``tests/unit/test_engine_options.py``, ``bench/results/studies/stream-timeline-xeon-2core.md``).
     """
 
     quantum_tokens: int | None = None

@@ -24,7 +24,8 @@ The Decoder and the Vocos backbone may run in bfloat16 (:func:`vocoder_dtype`): 
 with native bf16 a decode is 2-3.3x faster (63.5 against 22.8 ms for one 52-token window,
 389 against 117 ms for eight, two EPYC cores), and the decode was an eighth of a single
 stream's time and a quarter of eight streams'. The ISTFT head stays in float32. It changes
-samples (38 dB from float32's on random weights), never tokens: ``bench/results/vocoder_dtype_cpu.md``.
+samples (38 dB from float32's on random weights), never tokens:
+``bench/results/studies/vocoder-dtype-epyc-2core.md``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ batch of 1 (its 0/1 rule) and an attention over a whole slot, so there are four 
 on this project's 2-core AMD EPYC (full-size model, bf16): the step at batch 1 takes
 22-25 ms against 37-38 ms eager and prepacked, 31-32 ms at batch 8 over 512 positions
 against about 46; end to end 1.13x the audio per second at one stream and 1.06x at eight
-(``bench/results/cpu_realtime_epyc_compiled.md``, docs/operations.md section 6). Compiling
+(``git show 715c3f5:bench/results/cpu_realtime_epyc_compiled.md``; today's runs:
+``bench/results/cpu/``). Compiling
 takes 4 to 7 minutes at warm-up on those two cores (inductor keeps what it compiled on
 disk, in ``TORCHINDUCTOR_CACHE_DIR``, so a restart on the same machine compiles less).
 

@@ -4,7 +4,7 @@ The token step attends every row of the batch over the longest row's length buck
 (:mod:`server.engine.chattts.step.kv`): a closed set of shapes, which the compiled step and
 CUDA graphs need. But at eight streams the rows are of every age, so a dense attention reads
 each row's keys and values far past the row's own end, masked, and on a CPU those bytes are
-the attention's cost (``bench/results/attention_cpu.md``: 157 MB per step at 8 × 320
+the attention's cost (``bench/results/studies/attention-epyc-2core.md``: 157 MB per step at 8 × 320
 positions, 10 ms). ``chattts_stream::decode_attention`` (``csrc/decode_attention.cpp``) keeps
 the step's shapes and its mask, and computes :func:`~server.engine.chattts.step.llama.math_attention`'s
 arithmetic (float32 scores, softmax, weighted sum) per row and head, stopping at the row's
@@ -153,7 +153,7 @@ def step_attention(
 
     One row has nothing to skip (it is the longest row), and there the two forms are within
     this machine's noise of each other (20 layers at 128 positions: 0.78 against 0.61 ms in
-    ``bench/results/attention_cpu.md``, 0.42 against 0.33 the other way round with static
+    ``bench/results/studies/attention-epyc-2core.md``, 0.42 against 0.33 the other way round with static
     shapes, ad hoc), so a single stream keeps the dense form it was measured end to end with.
     At a batch the operator reads about half the bytes (0.50-0.55 of the dense time at 4 and
     8 rows of every age). Under ``torch.compile`` the test is on the batch size, which dynamo

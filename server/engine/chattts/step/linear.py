@@ -7,7 +7,7 @@ call, which it reorders into its blocked layout each time; :class:`PackedLinear`
 the weight in that layout once (``torch.ops.mkldnn._reorder_linear_weight``, what
 inductor's ``freezing`` does for compiled models) and calls the same kernel on it:
 about 1.5x faster for the 140 products at batch 1 to 8 on this project's CPU, with the
-same results as ``F.linear`` (``bench/results/cpu_realtime.md``). Fusing q/k/v and
+same results as ``F.linear`` (``bench/results/cpu/xeon-2core.md``). Fusing q/k/v and
 gate/up into larger products gained nothing measurable on top of it, so the modules
 keep their shapes and the prefill and refinement (transformers' own layers) run on the
 same single copy of the weights.

@@ -248,7 +248,7 @@ class SlotBatch:
 
         Padded because every distinct prefill length costs the CPU kernels (oneDNN primitives,
         allocator pools) memory that is never given back: one shape per prompt length made RSS
-        climb by about 2 MiB per new length (``bench/results/rss_shapes_tiny_cpu.md``).
+        climb by about 2 MiB per new length (``bench/results/studies/rss-shapes-epyc-2core.md``).
         """
         real_length = int(emb.shape[1])
         length = self.prefill_length(real_length)

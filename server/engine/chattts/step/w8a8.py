@@ -8,8 +8,8 @@ batch 1 and 39.0 ms at batch 8, against 24.5 and 24.4 ms in prepacked bf16). FBG
 dynamically quantized linear (``quantized::linear_dynamic``) multiplies int8 by int8 with
 integer instructions (VNNI where the CPU has it) and reads the int8 weight once for all rows:
 14.7 ms at batch 1 and 20.3 ms at batch 8 in the same run, grouped as below
-(``bench/results/cpu_realtime_epyc_5b9b7af.md``; the bare FBGEMM calls alone took 7.6 and 10.5
-ms in a quieter hour).
+(``git show fc4c6cc:bench/results/cpu_realtime_epyc_5b9b7af.md``; the bare FBGEMM calls alone took
+7.6 and 10.5 ms in a quieter hour).
 
 Its one flaw for a server: it quantizes its whole input with one scale, so a row's result
 depends on the other rows of the batch (a loud row leaves a quiet one a few levels, up to 100 %
@@ -37,7 +37,8 @@ handle, and inductor fuses the small operators around it (the row magnitudes, th
 anchor, the rescaling) with the norms and residuals it already fuses. The products are the same
 calls on the same packed weights; only the fused arithmetic around them may round differently.
 The whole step then took 14.3 / 21.0 / 29.2 ms at batch 1 / 4 / 8, against 24.2 / 33.9 / 45.9
-eager (``bench/results/cpu_realtime.md``).
+eager (``git show 6ad7ebf:bench/results/cpu_realtime_epyc_3d46d1e.md``; today's run on the same
+kind of CPU: ``bench/results/cpu/epyc-2core.md``).
 
 It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "The CPU step", says
 what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM

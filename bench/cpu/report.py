@@ -1,0 +1,382 @@
+"""The markdown of :mod:`bench.cpu`: the step rows, where the time goes, the servers, the targets."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+#: What real time needs on ChatTTS: 46.9 audio tokens a second of audio, per stream.
+REALTIME_MS_PER_TOKEN = 1000 / (24_000 / 512)
+LONG_S = 4.0  # "streams of at least 4 s"
+LISTENER_MS = 300.0
+#: The in-process engine each server is compared with at c8 (the same flags, no server); a
+#: server whose engine was not measured in the run gets no ratio rather than one against other
+#: flags.
+SERVER_ENGINE = {
+    "after": "engine-direct",
+    "after-int8": "engine-direct-int8",
+    "after-w8a8": "engine-direct-w8a8",
+    "after-compiled": "engine-direct-compiled",
+    "after-compiled-int8": "engine-direct-compiled-int8",
+    "after-compiled-w8a8": "engine-direct-compiled-w8a8",
+}
+LOADED = 1.5  # a 1-minute load average above this on 2 cores: the number was taken on a loaded machine
+
+STEP_ROWS = (
+    ("floor", "memory floor: one bf16 product over all GPT weights (faster of plain and packed)"),
+    ("products-dense", "the 140 projections one by one, bf16 `F.linear` (as before #23)"),
+    ("products-onednn-bf16", "the 140 projections, oneDNN-prepacked bf16"),
+    ("products-int8", "the 140 projections, weight-only int8"),
+    ("products-w8a8", "the 140 projections, int8 weights × per-row int8 activations (FBGEMM)"),
+    ("transformers", "transformers' `LlamaModel`, eager, its own cache"),
+    ("transformers-compiled", "the same, `torch.compile` (default mode)"),
+    ("step-dense", "our whole token step, before #23 (dense bf16 projections)"),
+    ("step-onednn-bf16", "our whole token step, after (default: prepacked bf16)"),
+    ("step-int8", "our whole token step, `--quantize int8`"),
+    ("step-w8a8", "our whole token step, `--quantize w8a8`"),
+    ("step-compiled", "our whole token step, `--compile-step on` (timed after the rows above)"),
+    ("step-compiled-int8", "our whole token step, `--compile-step on --quantize int8` (timed after)"),
+    ("step-compiled-w8a8", "our whole token step, `--compile-step on --quantize w8a8` (timed after)"),
+)
+#: The projection forms :mod:`bench.cpu.step` measures the step with.
+STEP_FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
+SPLIT_COLUMNS = ("projections", "attention", "kv_write", "llama_rest", "step_rest", "total")
+
+
+def _openmp(result: dict[str, Any]) -> str:
+    """How every system's idle OpenMP threads waited (runs before the setting was recorded: PASSIVE)."""
+    env = result.get("openmp_env", {"OMP_WAIT_POLICY": "PASSIVE"})
+    return ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) or "libgomp's defaults"
+
+
+def _best(step: dict[str, Any], name: str, batch: int, key: str = "best_ms") -> float | None:
+    rows = step["rows"]
+    if name == "floor":
+        values = [rows[k].get(key) for k in (f"floor-plain@{batch}", f"floor-packed@{batch}") if k in rows]
+        values = [v for v in values if v is not None]
+        return min(values) if values else None
+    entry = rows.get(f"{name}@{batch}")
+    return entry.get(key) if entry else None
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def scenario_view(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The figures the tables need, over all streams and over the streams of at least 4 s."""
+    s, streams = scenario["summary"], scenario["streams"]
+    long = [m for m in streams if (m.get("audio_s") or 0) >= LONG_S - 1e-6]
+
+    def under(ms: list[dict[str, Any]]) -> int:
+        return sum(
+            1 for m in ms for e in m["listener"] if e["threshold_ms"] == LISTENER_MS and e["underruns"] > 0
+        )
+
+    def pct(ms: list[dict[str, Any]], key: str, q: int) -> float | None:
+        values = sorted(m[key] for m in ms if m.get(key) is not None)
+        if not values:
+            return None
+        if len(values) == 1:
+            return values[0]
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+    return {
+        "system": scenario["system"],
+        "concurrency": scenario["concurrency"],
+        "streams": s["streams"],
+        "long": len(long),
+        "errors": s["error_streams"],
+        "throughput": s["throughput"]["steady_audio_s_per_wall_s"],
+        "per_cpu": s["throughput"].get("audio_s_per_cpu_s"),
+        "rtf_p50": s["rtf"]["p50"],
+        "rtf_p90": s["rtf"]["p90"],
+        "rtf_long_p50": pct(long, "rtf", 50),
+        "rtf_long_p90": pct(long, "rtf", 90),
+        "underruns": under(streams),
+        "underruns_long": under(long),
+        "ttfa_p50": s["ttfa_s"]["p50"],
+        "ttfa_p90": s["ttfa_s"]["p90"],
+        "load": scenario.get("loadavg_1m_after"),
+    }
+
+
+def views(result: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """``(system, concurrency)`` → :func:`scenario_view`; a system measured twice keeps its better round."""
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for scenario in result["scenarios"]:
+        if scenario.get("mode") != "closed":
+            continue
+        view = scenario_view(scenario)
+        key = (view["system"], int(view["concurrency"]))
+        if key not in out or view["throughput"] > out[key]["throughput"]:
+            out[key] = view
+    return out
+
+
+def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """Issue #23's targets on this CPU: (what, the numbers, met)."""
+    rows: list[tuple[str, str, bool | None]] = []
+    step = result.get("step")
+    if step:
+        for batch in (1, 8):
+            ours, hf = _best(step, "step-onednn-bf16", batch), _best(step, "transformers", batch)
+            cpu = [_best(step, n, batch, "best_cpu_ms") for n in ("step-onednn-bf16", "transformers")]
+            met = None if ours is None or hf is None else ours <= hf
+            what = f"our bf16 step ≤ transformers' at batch {batch}"
+            numbers = f"{_f(ours)} ms vs {_f(hf)} ms (CPU time: {_f(cpu[0])} vs {_f(cpu[1])} ms)"
+            rows.append((what, numbers, met))
+    v = views(result)
+    pairs = interleaved_pairs(result)
+    servers = [name for name in SERVER_ENGINE if (name, 1) in v or (name, 8) in v]
+    for name in servers:
+        c1, c8 = v.get((name, 1)), v.get((name, 8))
+        if c1:
+            met = c1["long"] > 0 and (c1["rtf_long_p50"] or 99) <= 1.0 and c1["underruns_long"] == 0
+            numbers = (
+                f"RTF p50 {_f(c1['rtf_long_p50'], 2)} over {c1['long']} streams ≥ 4 s, "
+                f"{c1['underruns_long']} of them under-ran at {LISTENER_MS:g} ms"
+            )
+            rows.append((f"{name}: c1 real time", numbers, met))
+            ttfa = c1["ttfa_p50"]
+            rows.append(
+                (f"{name}: TTFA p50 at c1 ≤ 0.5 s", f"{_f(ttfa, 3)} s", ttfa is not None and ttfa <= 0.5)
+            )
+        if c8:
+            rows.append(
+                (f"{name}: c8 ≥ 3 audio-s per wall-s", f"{_f(c8['throughput'], 2)}", c8["throughput"] >= 3)
+            )
+            engine = v.get((SERVER_ENGINE[name], 8))
+            if engine and name not in pairs:
+                ratio = c8["throughput"] / engine["throughput"]
+                numbers = f"{_f(c8['throughput'], 2)} / {_f(engine['throughput'], 2)} = {ratio:.2f}×"
+                rows.append((f"{name}: server ≥ 0.95× the engine in-process at c8", numbers, ratio >= 0.95))
+    for name, pair in pairs.items():  # part 'ratio' measured it interleaved: its means decide
+        numbers = (
+            f"{_f(pair['server_mean'], 2)} / {_f(pair['engine_mean'], 2)} = {_f(pair['ratio'], 3)}× "
+            f"(means of {pair['rounds']} interleaved rounds; each round {_rounds_text(pair)})"
+        )
+        what = f"{name}: server ≥ 0.95× the engine in-process at c{pair['concurrency']}"
+        rows.append((what, numbers, pair["ratio"] is not None and pair["ratio"] >= 0.95))
+    return rows
+
+
+def interleaved_pairs(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Part 'ratio': each server against its engine in-process, per round and as means.
+
+    Returns server name → ``concurrency``, ``rounds`` (rounds where both sides ran),
+    ``per_round`` [(round, server, engine)], ``server_mean``, ``engine_mean`` and ``ratio``
+    (the ratio of the means: every round weighs the same on both sides).
+    """
+    tallies: dict[str, dict[int, dict[str, float]]] = {}
+    levels: dict[str, int] = {}
+    engines = {engine: server for server, engine in SERVER_ENGINE.items()}
+    for scenario in result.get("ratio_scenarios", []):
+        system, round_ = scenario["system"], scenario.get("ratio_round")
+        if round_ is None or scenario.get("mode") != "closed":
+            continue
+        server, side = (system, "server") if system in SERVER_ENGINE else (engines.get(system), "engine")
+        if server is None:
+            continue
+        levels[server] = int(scenario["concurrency"])
+        throughput = scenario["summary"]["throughput"]["steady_audio_s_per_wall_s"]
+        tallies.setdefault(server, {}).setdefault(int(round_), {})[side] = throughput
+    pairs: dict[str, dict[str, Any]] = {}
+    for server, by_round in tallies.items():
+        both = [(r, x["server"], x["engine"]) for r, x in sorted(by_round.items()) if len(x) == 2]
+        if not both:
+            continue
+        server_mean = statistics.fmean(s for _, s, _ in both)
+        engine_mean = statistics.fmean(e for _, _, e in both)
+        pairs[server] = {
+            "concurrency": levels[server],
+            "rounds": len(both),
+            "per_round": both,
+            "server_mean": server_mean,
+            "engine_mean": engine_mean,
+            "ratio": server_mean / engine_mean if engine_mean > 0 else None,
+        }
+    return pairs
+
+
+def _rounds_text(pair: dict[str, Any]) -> str:
+    return ", ".join(f"{s:.2f}/{e:.2f}" for _, s, e in pair["per_round"])
+
+
+def _load_note(load: float | None) -> str:
+    if load is None:
+        return "—"
+    return f"**{load:.1f}**" if load > LOADED else f"{load:.1f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The report."""
+    m = result["machine"]
+    lines = [
+        "# The token step and the server on this CPU (issue #23)",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Machine: {m.get('cpu_model')}, {m.get('cpu_cores')} cores, {m.get('memory_gib')} GiB, "
+        f"torch {m.get('versions', {}).get('torch')}; {result['settings']['threads']} torch threads, "
+        f"OpenMP waits: {_openmp(result)}. Commits: {result['commits']}. 1-minute load average at start "
+        f"{_f(m.get('loadavg_at_start', [None])[0])}, now {_f(m.get('loadavg_now', [None])[0])}; "
+        f"loads in **bold** (above {LOADED:g} on 2 cores) mark numbers taken on a loaded machine. "
+        f"Elapsed {result.get('elapsed_s', 0) / 60:.0f} min.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for what, numbers, met in targets(result):
+        lines.append(f"| {what} | {numbers} | {'—' if met is None else 'yes' if met else '**no**'} |")
+    step = result.get("step")
+    if step:
+        lines += _step_tables(step)
+    lines += _server_table(result)
+    lines += _ratio_table(result)
+    if result.get("skipped"):
+        lines += ["", "## Not measured", ""] + [f"- {s['what']}: {s['why']}" for s in result["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def _step_tables(step: dict[str, Any]) -> list[str]:
+    batches = step["batches"]
+    head = " | ".join(f"batch {b}" for b in batches)
+    lines = [
+        "",
+        f"## One token step: wall ms (CPU ms of both threads), fastest of "
+        f"{len(step['loadavg_after_rounds']) // len(batches)} interleaved rounds; attention over "
+        f"{step['length']} positions; {step['weights'] / 1e6:.0f} M weights",
+        "",
+        f"| row | {head} |",
+        "|---|" + "---|" * len(batches),
+    ]
+    for name, label in STEP_ROWS:
+        values = [_best(step, name, b) for b in batches]
+        cpu = [_best(step, name, b, "best_cpu_ms") for b in batches]
+        if any(v is not None for v in values):
+            cells = " | ".join(f"{_f(v)} ({_f(c)})" for v, c in zip(values, cpu, strict=True))
+            lines.append(f"| {label} | {cells} |")
+    budget = " | ".join(f"{REALTIME_MS_PER_TOKEN * b:.1f}" for b in batches)
+    lines.append(f"| real time: {REALTIME_MS_PER_TOKEN:.1f} ms per token per stream | {budget} |")
+    loads = ", ".join(_load_note(x) for x in step["loadavg_after_rounds"])
+    lines += ["", f"Load average after each round and batch: {loads}."]
+    if step.get("compile_s") is not None:
+        lines.append(f"`torch.compile` of transformers' Llama: {step['compile_s']:.0f} s for these batches.")
+    lines += [
+        "",
+        "## Where one token step's time goes, ms (the fastest split of the rounds)",
+        "",
+        "| step | batch | projections | attention | KV writes | rest of the Llama | heads, sampling, rest "
+        "| total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for form in STEP_FORMS:
+        for b in batches:
+            split = step["splits"].get(f"step-{form}@{b}")
+            if split:
+                lines.append(f"| {form} | {b} | " + " | ".join(_f(split[c]) for c in SPLIT_COLUMNS) + " |")
+    lines += ["", "## Top operators of one step (`torch.profiler`, self CPU ms, calls)", ""]
+    for form in STEP_FORMS:
+        for b in (batches[0], batches[-1]):
+            ops = step["profiles"].get(f"step-{form}@{b}", [])[:6]
+            text = "; ".join(f"`{o['op']}` {o['self_ms']:.1f} ({o['calls']})" for o in ops)
+            lines.append(f"- {form}, batch {b}: {text}")
+    return lines
+
+
+def _server_table(result: dict[str, Any]) -> list[str]:
+    v = views(result)
+    if not v:
+        return []
+    lines = [
+        "",
+        "## End to end: servers and in-process baselines (closed loops, pcm16)",
+        "",
+        "| system | streams | streams ≥ 4 s | audio-s per wall-s (per CPU-s) | RTF p50 / p90 "
+        "| RTF p50 / p90, ≥ 4 s "
+        f"| underrun streams @{LISTENER_MS:g} ms (all, ≥ 4 s) | TTFA p50 / p90 (s) | errors | load after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = ["before", *SERVER_ENGINE, "chattts-infer", *SERVER_ENGINE.values()]
+    for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
+        lines.append(
+            f"| {system} c{c} | {x['streams']} | {x['long']} | "
+            f"{_f(x['throughput'], 2)} ({_f(x['per_cpu'], 2)}) | "
+            f"{_f(x['rtf_p50'], 2)} / {_f(x['rtf_p90'], 2)} | {_f(x['rtf_long_p50'], 2)} / "
+            f"{_f(x['rtf_long_p90'], 2)} | {x['underruns']}, {x['underruns_long']} | "
+            f"{_f(x['ttfa_p50'], 3)} / {_f(x['ttfa_p90'], 3)} | {x['errors']} | {_load_note(x['load'])} |"
+        )
+    lines += _engine_thread_table(result)
+    for name, entries in result.get("systems", {}).items():
+        for entry in entries:
+            compute = entry.get("hello", {}).get("compute")
+            ready = (entry.get("server") or {}).get("ready_s")
+            if compute or ready:
+                lines.append(
+                    f"\n`{name}`: hello.compute {compute}; ready (load, warm-up) after {_f(ready)} s."
+                )
+    return lines
+
+
+def _ratio_table(result: dict[str, Any]) -> list[str]:
+    """Part 'ratio': each round of each server and its engine, then the means."""
+    pairs = interleaved_pairs(result)
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "## Server against its engine in-process, interleaved (part 'ratio')",
+        "",
+        "Server first in even rounds, engine first in odd ones; one server process for every "
+        "round, a fresh engine child each round; the same jobs and seeds each time. Audio-s per "
+        "wall-s while all streams were in flight.",
+        "",
+        "| server | round | server | engine in-process | server / engine |",
+        "|---|---|---|---|---|",
+    ]
+    for name, pair in pairs.items():
+        level = f"{name} c{pair['concurrency']}"
+        for round_, server, engine in pair["per_round"]:
+            ratio = server / engine if engine > 0 else None
+            lines.append(f"| {level} | {round_} | {server:.2f} | {engine:.2f} | {_f(ratio, 3)}× |")
+        lines.append(
+            f"| {level} | **mean** | {pair['server_mean']:.2f} | {pair['engine_mean']:.2f} | "
+            f"**{_f(pair['ratio'], 3)}×** |"
+        )
+    threads = [s for s in result.get("ratio_scenarios", []) if s.get("engine_thread")]
+    if threads:
+        lines += _engine_thread_table({"scenarios": threads}, rounds=True)
+    return lines
+
+
+def _engine_thread_table(result: dict[str, Any], rounds: bool = False) -> list[str]:
+    """Each scenario's inference thread (``engine_thread_figures``: a server's, or an in-process engine's)."""
+    rows = [s for s in result["scenarios"] if s.get("engine_thread")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "The inference thread during each scenario (a server's from its `/metrics`, the engine in-process "
+        "timed around its steps): the share of the wall time inside engine steps (the rest: prefills, the "
+        "policy, waiting for work), tokens per block, rows per step, and the step's wall ms per token "
+        "step (a server slower here than its engine in-process loses inside the step, to CPU contention).",
+        "",
+        "| system | busy | tokens per block | rows per step | step ms per token step |",
+        "|---|---|---|---|---|",
+    ]
+    for s in rows:
+        e = s["engine_thread"]
+        label = f"{s['system']} c{s['concurrency']}" + (f" round {s.get('ratio_round')}" if rounds else "")
+        lines.append(
+            f"| {label} | {_f(e.get('engine_busy'), 2)} | "
+            f"{_f(e.get('tokens_per_block'))} | {_f(e.get('rows_per_step'), 2)} | "
+            f"{_f(e.get('step_ms_per_token'))} |"
+        )
+    return lines
+
+
+def _rank(order: list[str], name: str) -> int:
+    return order.index(name) if name in order else len(order)

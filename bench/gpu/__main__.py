@@ -1,0 +1,5 @@
+"""``python -m bench.gpu``: see :mod:`bench.gpu.run`."""
+
+from bench.gpu.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Word timestamps against speech with known word boundaries (``python -m bench.words``; espeak-ng)."""
