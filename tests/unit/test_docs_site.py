@@ -18,7 +18,17 @@ REPO = Path(__file__).resolve().parents[2]
 def build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
     return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(config),
+            "--site-dir",
+            str(site),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -59,7 +69,9 @@ def small_repo(root: Path, readme: str) -> Path:
 
 
 def test_good_links_build_and_carry_their_files(tmp_path: Path) -> None:
-    config = small_repo(tmp_path, "# Home\n\n[g](docs/guide.md#the-flags-that-matter), [r](data/result.json)\n")
+    config = small_repo(
+        tmp_path, "# Home\n\n[g](docs/guide.md#the-flags-that-matter), [r](data/result.json)\n"
+    )
     result = build(config, tmp_path / "site")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site/data/result.json").is_file()
