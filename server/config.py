@@ -191,7 +191,8 @@ class Settings:
     max_ended_streams: int = _opt(
         4096, "ended streams kept for a resume, all clients together; past it the one that ended first goes"
     )
-    # Resume on any replica (docs/operations.md section 5): signed tokens, forwarding, regeneration.
+    # Resume on any replica (docs/operations.md, "Resume on any replica"): signed tokens, forwarding,
+    # regeneration.
     resume_secret: str = _opt(
         "",
         "HMAC key the replicas share (16+ characters): tokens then name the replica that owns their "
@@ -255,7 +256,7 @@ class Settings:
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
     )
     breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
-    # --- every port bounded in time and connections (issue 25; docs/operations.md, Limits) ---
+    # --- every port bounded in time and connections (docs/operations.md, "Limits") ---
     max_json_depth: int = _opt(
         32, "deepest nesting of a client's JSON (WebSocket message, HTTP body, Wyoming event): bad_request"
     )
