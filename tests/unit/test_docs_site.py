@@ -7,6 +7,7 @@ so CI (this test) keeps every link of the user docs working on the site and on G
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,3 +91,34 @@ def test_a_link_to_a_missing_file_fails_the_build(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "data/gone.json" in result.stdout + result.stderr
     assert "docs/gone.md" in result.stdout + result.stderr
+
+
+#: The documents a user reads (architecture.md is the maintainers'): no internal issue numbers there,
+#: which a user cannot look up. ``owner/repo#123`` (another project's public issue) is allowed.
+USER_DOCS = [
+    "README.md",
+    *[str(p.relative_to(REPO)) for p in sorted((REPO / "docs").glob("*.md")) if p.name != "architecture.md"],
+    "client_js/README.md",
+    "client_py/README.md",
+    *[str(p.relative_to(REPO)) for p in sorted((REPO / "deploy").rglob("README.md"))],
+]
+ISSUE_NUMBER = re.compile(r"(?i)\bissues?\s+#?\d+|(?<![\w/&])#\d+\b")
+
+
+def issue_numbers(text: str) -> list[str]:
+    return [f"{text.count(chr(10), 0, m.start()) + 1}: {m.group()}" for m in ISSUE_NUMBER.finditer(text)]
+
+
+def test_user_docs_cite_no_internal_issue_numbers() -> None:
+    assert {"README.md", "docs/operations.md", "docs/protocol.md", "client_py/README.md"} <= set(USER_DOCS)
+    found = {name: issue_numbers((REPO / name).read_text()) for name in USER_DOCS}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def test_the_issue_number_rule_catches_what_it_should() -> None:
+    text = "Fixed in #23.\nSee issue 42 and Issue #7.\nSee sigs/adapter#701, &#38;.\n"
+    assert issue_numbers(text) == ["1: #23", "2: issue 42", "2: Issue #7"]
+
+
+def test_the_operators_manual_stays_short() -> None:
+    assert len((REPO / "docs/operations.md").read_text().splitlines()) < 500
