@@ -122,3 +122,27 @@ def test_the_issue_number_rule_catches_what_it_should() -> None:
 
 def test_the_operators_manual_stays_short() -> None:
     assert len((REPO / "docs/operations.md").read_text().splitlines()) < 500
+
+
+def exported_names() -> set[str]:
+    """The names a Prometheus query can use: counters with ``_total``, histograms bare or with a suffix."""
+    from server.metrics import Metrics
+
+    names = set()
+    for collector in set(Metrics().registry._names_to_collectors.values()):
+        for family in collector.describe():
+            suffixes = {
+                "counter": ["_total"],
+                "info": ["_info"],
+                "histogram": ["", "_bucket", "_sum", "_count"],
+            }
+            names |= {family.name + suffix for suffix in suffixes.get(family.type, [""])}
+    return names
+
+
+def test_every_metric_the_manual_names_is_exported() -> None:
+    exported = exported_names()
+    assert "chattts_errors" not in exported  # a counter is queried by its _total
+    named = set(re.findall(r"\bchattts_[a-z_]+\b", (REPO / "docs/operations.md").read_text()))
+    assert {"chattts_active_streams", "chattts_audio_generated_seconds_total"} <= named
+    assert sorted(named - exported) == []
