@@ -22,8 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the server",
-        description="Run the WebSocket server. Every flag can also be set with the CHATTTS_* "
-        "environment variable shown in its help; a flag wins over the variable.",
+        # The flags are listed by topic below; argparse's usage line would list all ninety again.
+        usage="%(prog)s [FLAG ...]",
+        description="Run the server. Its flags are grouped by topic below; every flag can also be set "
+        "with the CHATTTS_* environment variable shown in its help (a flag wins over the variable). "
+        "The operator's manual (docs/operations.md) says which ones matter on a GPU, on a CPU and "
+        "in Kubernetes.",
     )
     add_settings_arguments(serve, os.environ)
     dev = commands.add_parser(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.chattts.options import QUANTIZE_CHOICES, VOCODER_DTYPE_CHOICES
+from server.flag_groups import GROUPS, group_of
 
 ENV_PREFIX = "CHATTTS_"
 #: The server's version (``hello.server``, the Wyoming ``info``).
@@ -190,7 +191,8 @@ class Settings:
     max_ended_streams: int = _opt(
         4096, "ended streams kept for a resume, all clients together; past it the one that ended first goes"
     )
-    # Resume on any replica (docs/operations.md section 5): signed tokens, forwarding, regeneration.
+    # Resume on any replica (docs/operations.md, "Resume on any replica"): signed tokens, forwarding,
+    # regeneration.
     resume_secret: str = _opt(
         "",
         "HMAC key the replicas share (16+ characters): tokens then name the replica that owns their "
@@ -254,7 +256,7 @@ class Settings:
         5, "consecutive failed engine steps that open the breaker (/ready 503, new streams 'overloaded')"
     )
     breaker_probe_s: float = _opt(2.0, "while the breaker is open, probe the engine this often (seconds)")
-    # --- every port bounded in time and connections (issue 25; docs/operations.md, Limits) ---
+    # --- every port bounded in time and connections (docs/operations.md, "Limits") ---
     max_json_depth: int = _opt(
         32, "deepest nesting of a client's JSON (WebSocket message, HTTP body, Wyoming event): bad_request"
     )
@@ -320,26 +322,42 @@ def _parse_bool(text: str) -> bool:
 def add_settings_arguments(
     parser: argparse.ArgumentParser, env: Mapping[str, str], only: Collection[str] | None = None
 ) -> None:
-    """Add one flag per ``Settings`` field (those in ``only``); defaults come from ``env`` when set there."""
-    for f in dataclasses.fields(Settings):
-        if only is not None and f.name not in only:
+    """Add one flag per ``Settings`` field (those in ``only``), under its topic; defaults come from ``env``.
+
+    The flags are added topic by topic (``server.flag_groups``), so ``--help`` reads by task.
+    """
+    fields = {f.name: f for f in dataclasses.fields(Settings) if only is None or f.name in only}
+    topics = {name: group_of(name) for name in fields}  # a field without a topic stops here, named
+    for topic in GROUPS:
+        names = [name for name in topic.fields if name in fields]
+        if not names:
             continue
-        env_name = _env_name(f.name)
-        default = f.default
-        convert: Any = _parse_bool if isinstance(default, bool) else type(default)
-        if env_name in env:
-            try:
-                default = convert(env[env_name])
-            except ValueError as exc:
-                parser.error(f"{env_name}: {exc}")
-        help_text = f"{f.metadata['help']} [env {env_name}; default: {f.default!r}]"
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            parser.add_argument(
-                flag, type=convert, default=default, help=help_text, choices=f.metadata["choices"]
-            )
+        group = parser.add_argument_group(topic.title, topic.description)
+        for name in names:
+            assert topics[name] is topic
+            _add_setting(parser, group, fields[name], env)
+
+
+def _add_setting(
+    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
+    f: dataclasses.Field[Any],
+    env: Mapping[str, str],
+) -> None:
+    env_name = _env_name(f.name)
+    default = f.default
+    convert: Any = _parse_bool if isinstance(default, bool) else type(default)
+    if env_name in env:
+        try:
+            default = convert(env[env_name])
+        except ValueError as exc:
+            parser.error(f"{env_name}: {exc}")
+    help_text = f"{f.metadata['help']} [env {env_name}; default: {f.default!r}]"
+    flag = "--" + f.name.replace("_", "-")
+    if isinstance(f.default, bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+    else:
+        group.add_argument(flag, type=convert, default=default, help=help_text, choices=f.metadata["choices"])
 
 
 def settings_from_namespace(namespace: argparse.Namespace) -> Settings:

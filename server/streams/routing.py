@@ -126,7 +126,7 @@ def inexact_engine(info: EngineInfo) -> str | None:
     """Why this engine cannot promise the same audio for a seeded segment in another batch, if so.
 
     In float32 the ChatTTS engine draws the same tokens in any batch; its batched vocoder may
-    still round a sample by 1 LSB of pcm16 differently (docs/operations.md section 5): not
+    still round a sample by 1 LSB of pcm16 differently (docs/operations.md, "Resume on any replica"): not
     announced. In bf16/fp16 the tokens themselves can change.
     """
     dtype = info.extra.get("dtype")

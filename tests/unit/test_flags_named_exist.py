@@ -45,7 +45,7 @@ SERVER_PROGRAMS = {"chattts-stream", "serve.sh"}
 OTHER_PROGRAMS = {
     "python", "python3", "pip", "pip3", "uv", "pipx", "kubectl", "docker", "helm", "curl", "wget",
     "npm", "npx", "node", "git", "mypy", "ruff", "pytest", "hadolint", "aplay", "ffmpeg", "ffplay",
-    "nvidia-smi", "make", "bash", "sh", "websocat", "openssl",
+    "nvidia-smi", "make", "bash", "sh", "websocat", "openssl", "mkdocs",
 }  # fmt: skip
 OTHER_MENTION = re.compile(
     r"python -m (?!server\b)|\bbench\.\w+|\bDockerfile\b|\bdocker\b|\bkubectl\b|\bhelm\b|\bpytest\b"

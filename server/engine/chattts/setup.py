@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     On this project's CPU (AVX512-BF16) bfloat16 ran the engine 1.6x faster at batch 1 and
     1.95x at batch 4 than float32 (``bench/results/studies/dtype-epyc-2core.md``), but its sampled
     tokens leave float32's within 0-11 steps: only float32 is token-identical to ChatTTS's own
-    ``infer()`` (docs/operations.md, "Weights and precision"). A CPU without native bf16 gets float32.
+    ``infer()`` (docs/operations.md, "The flags that matter"). A CPU without native bf16 gets float32.
     """
     if isinstance(dtype, torch.dtype):
         return dtype

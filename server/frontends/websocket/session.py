@@ -211,7 +211,7 @@ class ConnectionProtocol:
         self._metrics.resumes.labels(how="local").inc()
         return [*actions, Send(resumed), StartPump(attachment, index)]
 
-    # --- resumes of streams this replica does not hold (docs/operations.md section 5) ---------
+    # --- resumes of streams this replica does not hold (docs/operations.md, "Resume on any replica")
 
     def _resume_elsewhere(self, msg: Resume) -> list[Action]:
         """Forward to the owner the token names, or regenerate here; refuse a token not ours."""

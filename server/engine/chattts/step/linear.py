@@ -18,7 +18,7 @@ per output channel, activations untouched (weight-only), computed by
 :data:`INT8_KERNEL_MAX_ROWS` rows, and by dequantizing into the activation dtype for
 more rows (a prefill) or on other devices (correct and capturable, not faster).
 It halves what a bf16 step reads; it changes the sampled tokens (docs/operations.md,
-"The CPU step"). ``--quantize w8a8`` (:class:`~server.engine.chattts.step.w8a8.W8A8Linear`)
+"Run on a CPU"). ``--quantize w8a8`` (:class:`~server.engine.chattts.step.w8a8.W8A8Linear`)
 multiplies int8 by int8 instead, the fastest form on a CPU at every batch.
 
 Float32 on the CPU and every dtype on CUDA keep transformers' ``nn.Linear`` (MKL and

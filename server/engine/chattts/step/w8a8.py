@@ -40,7 +40,7 @@ The whole step then took 14.3 / 21.0 / 29.2 ms at batch 1 / 4 / 8, against 24.2 
 eager (``git show 6ad7ebf:bench/results/cpu_realtime_epyc_3d46d1e.md``; today's run on the same
 kind of CPU: ``bench/results/cpu/epyc-2core.md``).
 
-It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "The CPU step", says
+It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "Run on a CPU", says
 what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM
 (x86-64); the server refuses it elsewhere at start-up.
 """
