@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -387,3 +388,66 @@ def test_setup_refuses_an_unknown_argument(checkout: Checkout) -> None:
     done = checkout.setup("--devv")
     assert done.returncode == 2 and "usage" in done.stderr
     assert os.listdir(checkout.root / ".venv") == ["bin"]  # nothing was installed or stamped
+
+
+# --- python -m bench after the plain set-up ---------------------------------------------------
+
+BENCH_HELP_IMPORTS = """\
+import json, runpy, sys
+sys.argv = ["bench", "--help"]
+try:
+    runpy.run_module("bench", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    status = e.code
+print(json.dumps({"status": status, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def requirement_closure(roots: list[tuple[str, set[str]]]) -> set[str]:
+    """The installed distributions that ROOTS (name, extras) need, transitively, by their metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name, extras = todo.pop()
+        key = canonicalize_name(name)
+        if key in seen and not extras:
+            continue
+        seen.add(key)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": extra}) for extra in extras or {""}):
+                todo.append((requirement.name, set(requirement.extras)))
+    return seen
+
+
+def test_python_m_bench_help_needs_only_what_the_plain_setup_installs() -> None:
+    """The plain set-up installs chattts-stream[model] and the client: enough for the bench's --help."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    done = subprocess.run(
+        [sys.executable, "-c", BENCH_HELP_IMPORTS], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["status"] == 0
+    plain = requirement_closure([("chattts-stream", {"model"}), ("chattts-stream-client", set())])
+    owners = metadata.packages_distributions()
+    ours = {"bench", "server", "tests"}
+    needed = {
+        canonicalize_name(dist)
+        for module in report["modules"]
+        if module not in sys.stdlib_module_names and module not in ours
+        for dist in owners.get(module, [])
+    }
+    assert "chattts-stream-client" in needed  # the import that used to fail
+    assert needed <= plain, (
+        f"python -m bench --help imports packages only the dev set-up has: {needed - plain}"
+    )
