@@ -112,19 +112,23 @@ fi
 
 # uv reads no pip configuration: hand it the sources pip would use (pip.conf and PIP_*
 # variables: a local wheel folder, a mirror), and pip's rule of taking the best version
-# from all of them. The configured index-url is kept apart: the torch step replaces it.
-pip_sources=() pip_index=()
+# from all of them. As for pip, a PIP_* variable wins over the files. The configured
+# index-url is kept apart: the torch step replaces it with PyTorch's index.
+declare -A pip_file=() pip_env=()
 while IFS= read -r line; do
-  key="${line%%=*}" && key="${key##*.}"
-  value="${line#*=}" && value="${value#\'}" && value="${value%\'}"
-  case "$key" in
-    index-url) pip_index=(--index-url "$value") ;;
-    extra-index-url) for url in $value; do pip_sources+=(--extra-index-url "$url"); done ;;
-    find-links) for url in $value; do pip_sources+=(--find-links "$url"); done ;;
-    constraint) for file in $value; do pip_sources+=(--constraint "$file"); done ;;
-    cert) [[ -n "${SSL_CERT_FILE:-}" ]] || export SSL_CERT_FILE="$value" ;;
-  esac
+  name="${line%%=*}" value="${line#*=}"
+  value="${value#\'}" && value="${value%\'}"
+  if [[ "$name" == :env:.* ]]; then pip_env[${name##*.}]="$value"; else pip_file[${name##*.}]="$value"; fi
 done < <("$VENV/bin/python" -m pip config list 2>/dev/null)
+pip_config() { echo "${pip_env[$1]-${pip_file[$1]-}}"; }
+pip_sources=() pip_index=()
+for url in $(pip_config extra-index-url); do pip_sources+=(--extra-index-url "$url"); done
+for url in $(pip_config find-links); do pip_sources+=(--find-links "$url"); done
+for file in $(pip_config constraint); do pip_sources+=(--constraint "$file"); done
+if [[ "$(pip_config no-index)" =~ ^(1|[Tt]rue|yes|on)$ ]]; then pip_sources+=(--no-index); fi
+if [[ -n "$(pip_config index-url)" ]]; then pip_index=(--index-url "$(pip_config index-url)"); fi
+SSL_CERT_FILE="${SSL_CERT_FILE:-$(pip_config cert)}"
+[[ -n "$SSL_CERT_FILE" ]] && export SSL_CERT_FILE
 uv_install() {
   "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match \
     "${pip_sources[@]}" "$@"

@@ -266,9 +266,11 @@ def test_an_unknown_torch_variant_is_refused(bin_dir: Path, full_index: Index) -
 STUB_PYTHON = """\
 echo "python $*" >> "$(dirname "$0")/../calls"
 if [[ "$*" == "-m pip config list" ]]; then
-  echo "global.find-links='/srv/wheels'"
-  echo "global.extra-index-url='file:///srv/a/simple file:///srv/b/simple'"
+  # As pip prints it: sorted, PIP_* variables as ":env:" (which win over the files).
   echo ":env:.constraint='/srv/constraints.txt'"
+  echo ":env:.find-links='/srv/wheels'"
+  echo "global.extra-index-url='file:///srv/a/simple file:///srv/b/simple'"
+  echo "global.find-links='/srv/old-wheels'"
 fi
 [[ "${1:-}" == - ]] && cat >/dev/null  # torch_check's script on stdin
 exit 0
@@ -326,10 +328,11 @@ def test_setup_installs_the_chosen_torch_with_pips_sources(checkout: Checkout) -
     torch_step, packages = checkout.installs()
     index = f"{checkout.index_base}/cpu"
     sources = (
-        "--find-links /srv/wheels --extra-index-url file:///srv/a/simple"
-        " --extra-index-url file:///srv/b/simple --constraint /srv/constraints.txt"
+        "--extra-index-url file:///srv/a/simple --extra-index-url file:///srv/b/simple"
+        " --find-links /srv/wheels --constraint /srv/constraints.txt"
     )
     assert sources in torch_step and sources in packages  # uv gets what pip.conf tells pip
+    assert "/srv/old-wheels" not in torch_step + packages
     assert torch_step.endswith(f"--index-url {index} torch=={TORCH}+cpu torchaudio==2.11.*")
     # The plain set-up has the client too (python -m bench imports it), without the dev extras.
     assert packages.endswith("-e .[model] -e ./client_py")
