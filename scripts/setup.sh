@@ -140,7 +140,6 @@ if [[ -n "$TORCH_INDEX" ]]; then
 else
   uv_install "${pip_index[@]}" "$TORCH_SPEC" "$TORCHAUDIO_SPEC"
 fi
-torch_check "$VENV/bin/python"
 
 # The Python client is small and pure Python: bench/ uses it, so the plain set-up has it too.
 # The dev set-up adds its pipecat and LiveKit extras (tests/integration/test_pipecat.py,
@@ -149,5 +148,7 @@ packages=(-e ".[model]" -e "./client_py")
 [[ $level == dev ]] && packages=(-e ".[model,dev]" -e "./client_py[pipecat,livekit]")
 log "installing chattts-stream and its client (${level})"
 uv_install "${pip_index[@]}" "${packages[@]}"
+# After the packages: importing torch without numpy beside it would warn.
+torch_check "$VENV/bin/python"
 printf '%s\n%s\n' "$want" "$level" >"$STAMP"
 log "ready: $VENV ($level)"
