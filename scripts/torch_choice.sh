@@ -168,25 +168,29 @@ def try_import() -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 
 build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+spec = importlib.util.find_spec("torchaudio")
+package = pathlib.Path(spec.origin).parent if spec and spec.origin else None
+version = (package / "version.py").read_text() if package else ""
+# PyPI's torchaudio (a CUDA build, "+cuXXX") beside a CPU torch.
+mismatch = torch.version.cuda is None and re.search(r"__version__ = '[^']*\+cu\d+'", version)
 result = try_import()
-note = ""
+if result.returncode and mismatch and package:
+    for path in (package / "lib").glob("*.so"):
+        path.unlink()
+    result = try_import()
 if result.returncode:
-    spec = importlib.util.find_spec("torchaudio")
-    package = pathlib.Path(spec.origin).parent if spec and spec.origin else None
-    version = (package / "version.py").read_text() if package else ""
-    if torch.version.cuda is None and re.search(r"__version__ = '[^']*\+cu\d+'", version):
-        extension = sorted((package / "lib").glob("*.so"))
-        for path in extension:
-            path.unlink()
-        result = try_import()
-        note = (
-            f" without its CUDA extension ({', '.join(p.name for p in extension)}): PyPI's build beside"
-            " a CPU torch, since the CPU build is on PyTorch's index only"
-        )
-    if result.returncode:
-        sys.exit(f"torchaudio does not import beside torch {torch.__version__} ({build}):\n{result.stderr}")
-print(f"\033[1m[setup]\033[0m installed torch {torch.__version__} ({build}) and torchaudio "
-      f"{result.stdout.strip()}{note}", file=sys.stderr)
+    sys.exit(f"torchaudio does not import beside torch {torch.__version__} ({build}):\n{result.stderr}")
+note = ""
+if mismatch and package and not any((package / "lib").glob("*.so")):
+    note = (
+        " without its CUDA extension: PyPI's build beside a CPU torch, since the CPU build is on"
+        " PyTorch's index only"
+    )
+print(
+    f"\033[1m[setup]\033[0m installed torch {torch.__version__} ({build}) and torchaudio "
+    f"{result.stdout.strip()}{note}",
+    file=sys.stderr,
+)
 PY
 }
 

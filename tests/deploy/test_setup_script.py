@@ -454,3 +454,79 @@ def test_python_m_bench_help_needs_only_what_the_plain_setup_installs() -> None:
     assert needed <= plain, (
         f"python -m bench --help imports packages only the dev set-up has: {needed - plain}"
     )
+
+
+# --- torch_check: torch and torchaudio import together ------------------------------------
+
+#: A stand-in for torchaudio: like the real one, its import fails while a compiled extension
+#: that cannot load lies in lib/ (the CUDA build's, beside a CPU torch).
+FAKE_TORCHAUDIO = """\
+import pathlib
+from .version import __version__
+if any((pathlib.Path(__file__).parent / "lib").glob("*.so")):
+    raise OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")
+"""
+
+
+def fake_torchaudio(tmp_path: Path, version: str, extension: bool) -> Path:
+    package = tmp_path / "site" / "torchaudio"
+    (package / "lib").mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_TORCHAUDIO)
+    (package / "version.py").write_text(f"__version__ = '{version}'\n")
+    if extension:
+        (package / "lib" / "_torchaudio.so").write_bytes(b"\x7fELF")
+    return package
+
+
+def torch_check(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    return subprocess.run(
+        [BASH, "-c", f'source "{TORCH_CHOICE}" && torch_check "$0"', sys.executable],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def cpu_torch() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda:
+        pytest.skip("torch here is a CUDA build")
+
+
+@pytest.mark.usefixtures("cpu_torch")
+def test_pypis_cuda_torchaudio_beside_a_cpu_torch_loses_only_its_extension(tmp_path: Path) -> None:
+    package = fake_torchaudio(tmp_path, "2.11.1+cu132", extension=True)
+    done = torch_check(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert not list((package / "lib").glob("*.so"))
+    [line] = done.stderr.splitlines()
+    assert "torchaudio 2.11.1+cu132 without its CUDA extension" in line and "(CPU)" in line
+    # Once more (a later set-up): nothing to remove, and the line still says what it is.
+    done = torch_check(tmp_path)
+    assert done.returncode == 0 and "without its CUDA extension" in done.stderr
+
+
+@pytest.mark.usefixtures("cpu_torch")
+def test_a_torchaudio_of_the_same_build_is_left_whole(tmp_path: Path) -> None:
+    # PyTorch's CPU torchaudio: its extension loads (this stand-in imports with it there).
+    package = fake_torchaudio(tmp_path, "2.11.1+cpu", extension=True)
+    (package / "__init__.py").write_text("from .version import __version__\n")
+    done = torch_check(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (package / "lib" / "_torchaudio.so").exists()
+    [line] = done.stderr.splitlines()
+    assert line.endswith("torchaudio 2.11.1+cpu")
+
+
+@pytest.mark.usefixtures("cpu_torch")
+def test_any_other_import_failure_stops_the_setup(tmp_path: Path) -> None:
+    # A CPU torchaudio whose extension does not load is broken, not mismatched: nothing is removed.
+    package = fake_torchaudio(tmp_path, "2.11.1+cpu", extension=True)
+    done = torch_check(tmp_path)
+    assert done.returncode != 0
+    assert "torchaudio does not import" in done.stderr and "libc10_cuda.so" in done.stderr
+    assert (package / "lib" / "_torchaudio.so").exists()
