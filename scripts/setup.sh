@@ -129,9 +129,11 @@ if [[ "$(pip_config no-index)" =~ ^(1|[Tt]rue|yes|on)$ ]]; then pip_sources+=(--
 if [[ -n "$(pip_config index-url)" ]]; then pip_index=(--index-url "$(pip_config index-url)"); fi
 SSL_CERT_FILE="${SSL_CERT_FILE:-$(pip_config cert)}"
 [[ -n "$SSL_CERT_FILE" ]] && export SSL_CERT_FILE
+# --compile-bytecode as pip does: compiling at the first import instead would also raise the
+# SyntaxWarnings of some packages there (opuslib's "is not 0"), which the tests make errors.
 uv_install() {
-  "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match \
-    "${pip_sources[@]}" "$@"
+  "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python" \
+    --index-strategy unsafe-best-match "${pip_sources[@]}" "$@"
 }
 
 torch_resolve
