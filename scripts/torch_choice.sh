@@ -15,6 +15,9 @@
 #   - PyTorch's index cannot be reached (a probe with a short timeout) or lacks the build: what
 #     pip finds for torch==TORCH_VERSION in its own configured sources (PyPI, a local wheel
 #     folder), said in one line.
+# uv's own `--torch-backend auto` makes a like choice, but it reads the driver's version from
+# /sys and /proc first (a faked nvidia-smi does not steer it), says nothing of what it chose,
+# and fails where PyTorch's index is out of reach: setup.sh hands uv this choice's index.
 # torchaudio comes from the same index as torch, so both are the same build: PyPI's torchaudio
 # is a CUDA build whose compiled extension cannot load beside a CPU torch. torchaudio 2.11 is
 # built against torch's stable ABI and works with torch 2.11 and every later release (its
