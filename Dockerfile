@@ -19,7 +19,7 @@
 #
 # Both targets install exactly as the README does, with scripts/setup.sh (system
 # libraries with apt, the virtual environment .venv in the source folder, torch from
-# TORCH_SPEC, torchaudio without its compiled extension, chattts-stream[model]).
+# TORCH_SPEC and torchaudio of the same build, chattts-stream[model] and its Python client).
 # Each target has a build stage, where setup.sh does the heavy Python install, and a
 # final stage that copies that .venv and runs setup.sh once more: the Python part is
 # skipped there (setup.sh's stamp matches) and only the apt step runs, so the final
@@ -66,28 +66,32 @@ WORKDIR /opt/chattts-stream
 # ---------------------------------------------------------------------------------
 # Build stages: scripts/setup.sh as root (it installs apt packages and creates .venv).
 # Only what the install reads is copied first, so a source change does not reinstall
-# torch: setup.sh hashes pyproject.toml and itself, and the editable install of the
-# `server` package resolves to /opt/chattts-stream/server, which the final stage fills.
+# torch: setup.sh hashes its STAMP_INPUTS, and the editable installs of the `server` package
+# and the client resolve to /opt/chattts-stream, which the final stage fills.
 # ---------------------------------------------------------------------------------
 FROM cpu-base AS cpu-build
 # The CPU wheel (about 200 MB instead of several GB of CUDA libraries).
 ARG TORCH_SPEC=torch==2.13.0+cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
-COPY scripts/setup.sh scripts/
+COPY scripts/setup.sh scripts/torch_choice.sh scripts/
 COPY server/__init__.py server/py.typed server/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    TORCH_SPEC="${TORCH_SPEC}" PIP_EXTRA_INDEX_URL="${TORCH_INDEX_URL}" scripts/setup.sh \
+COPY client_py/pyproject.toml client_py/README.md client_py/LICENSE client_py/
+COPY client_py/src/chattts_stream_client/__init__.py client_py/src/chattts_stream_client/py.typed client_py/src/chattts_stream_client/
+RUN --mount=type=cache,target=/root/.cache/uv \
+    TORCH_SPEC="${TORCH_SPEC}" TORCH_INDEX="${TORCH_INDEX_URL}" UV_LINK_MODE=copy scripts/setup.sh \
     && rm -rf /var/lib/apt/lists/*
 
 FROM gpu-base AS gpu-build
-# PyPI's default Linux wheel: CUDA 12 build (see the README on TORCH_SPEC).
+# PyPI's default Linux wheel: the CUDA 13.0 build (see the README on TORCH_SPEC).
 ARG TORCH_SPEC=torch==2.13.0
 COPY pyproject.toml README.md ./
-COPY scripts/setup.sh scripts/
+COPY scripts/setup.sh scripts/torch_choice.sh scripts/
 COPY server/__init__.py server/py.typed server/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    TORCH_SPEC="${TORCH_SPEC}" scripts/setup.sh \
+COPY client_py/pyproject.toml client_py/README.md client_py/LICENSE client_py/
+COPY client_py/src/chattts_stream_client/__init__.py client_py/src/chattts_stream_client/py.typed client_py/src/chattts_stream_client/
+RUN --mount=type=cache,target=/root/.cache/uv \
+    TORCH_SPEC="${TORCH_SPEC}" UV_LINK_MODE=copy scripts/setup.sh \
     && rm -rf /var/lib/apt/lists/*
 
 # ---------------------------------------------------------------------------------

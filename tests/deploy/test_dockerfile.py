@@ -123,6 +123,20 @@ def runs(stage: Stage) -> str:
     return "\n".join(stage.values("RUN"))
 
 
+def copied_paths(stage: Stage) -> set[str]:
+    """The build-context files a stage COPYs to the same path under WORKDIR (``COPY a/b c/ a/``)."""
+    paths = set()
+    for value in stage.values("COPY"):
+        if value.startswith("--from="):
+            continue
+        *sources, dest = value.split()
+        for source in sources:
+            parent = str(Path(source).parent)
+            if dest.rstrip("/") in ({".", ""} if parent == "." else {parent}):
+                paths.add(source)
+    return paths
+
+
 def exposed_ports(stage: Stage) -> list[int]:
     """Every port of every EXPOSE (``8080 8081``, ``8080/tcp``), in order."""
     ports = []
@@ -233,15 +247,22 @@ def test_setup_script_still_fits_the_dockerfile() -> None:
     assert 'cd "$(dirname "$0")/.."' in setup  # .venv lands in the source folder (WORKDIR)
     assert "VENV=.venv" in setup
     assert 'TORCH_SPEC="${TORCH_SPEC:-' in setup and 'PYTHON="${PYTHON:-' in setup
-    assert re.search(r"cat pyproject\.toml scripts/setup\.sh \| sha256sum", setup), "stamp inputs changed"
-    # The build stages copy exactly what the install reads before the source arrives.
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    readme = pyproject["project"].get("readme")
-    for build in ("cpu-build", "gpu-build"):
-        copied = " ".join(STAGES[build].values("COPY"))
-        assert "pyproject.toml" in copied and "scripts/setup.sh" in copied
+    # The stamp's inputs: the final stage skips the Python install only if they are all there.
+    inputs = re.search(r"^STAMP_INPUTS=\(([^)]*)\)", setup, re.M)
+    assert inputs, "setup.sh names no STAMP_INPUTS"
+    assert re.search(r'cat "\$\{STAMP_INPUTS\[@\]\}" \| sha256sum', setup), "stamp inputs changed"
+    needed = set(inputs.group(1).split())
+    # What setup.sh sources, and what the editable installs build from (their metadata and readme).
+    needed |= set(re.findall(r"^source (\S+)", setup, re.M))
+    for project in (ROOT / "pyproject.toml", ROOT / "client_py" / "pyproject.toml"):
+        readme = tomllib.loads(project.read_text())["project"].get("readme")
         if readme:
-            assert readme in copied
+            needed.add(str((project.parent / readme).relative_to(ROOT)))
+    assert {"pyproject.toml", "scripts/setup.sh", "scripts/torch_choice.sh"} <= needed
+    # The build stages copy exactly what the install reads before the source arrives.
+    for build in ("cpu-build", "gpu-build"):
+        copied = copied_paths(STAGES[build])
+        assert needed <= copied, f"{build} does not copy {sorted(needed - copied)}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
