@@ -64,6 +64,10 @@ def test_a_documented_command_answers_help(module: str, monkeypatch: pytest.Monk
 # command line below goes through the module's own argparse parser, in this process, and stops
 # right after parsing: ``ArgumentParser.parse_args`` is wrapped to raise ``Parsed`` once the
 # arguments are accepted, so no benchmark runs.
+# Placeholders (DIR, TREE_x, TINY, <hw>, <gpu>, X.json, "...") stay as written: they are values of
+# path or string options, which argparse takes without looking at the file system, so each parses
+# as the real value would. Environment prefixes (``OMP_WAIT_POLICY=PASSIVE``) are dropped, ``\``
+# continuations joined; a line whose arguments are an ellipsis is skipped with its reason below.
 
 CMD_DOCS = [
     REPO / "bench" / "README.md",
