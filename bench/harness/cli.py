@@ -118,19 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--title", default="", help="one line describing the run, for plots and the table")
     measure.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     measure.add_argument(
-        "--smoke", action="store_true", help="a few seconds against a fake server it starts (CI)"
+        "--smoke",
+        action="store_true",
+        help="a few seconds of tiny scenarios (CI): against --url when given, else a fake server it starts",
     )
     return p
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
-    """``--smoke``: fake engine, tiny scenarios, both formats, the b1 baseline; done in a few seconds."""
-    args.url, args.engine, args.model_dir = None, "fake", None
+    """``--smoke``: tiny scenarios, both formats, the b1 baseline; done in a few seconds.
+
+    With ``--url`` (and ``--baseline-url``) the smoke checks that running server, so a user can
+    try the harness against a deployment; without it a fake-engine server is started here. The
+    in-process baselines are skipped either way (no model).
+    """
+    args.engine, args.model_dir = "fake", None
     args.concurrency, args.rates, args.duration, args.grace_s, args.settle_s = "1,4", "8", 0.8, 10.0, 0.1
     args.timeout_s, args.max_streams, args.formats = 20.0, 40, "pcm16,opus"
     args.baselines, args.text_sizes, args.engine_concurrency = "b1,infer,engine", "short", "8"
     args.server_flags = args.server_flags or "--fake-step-ms 5 --fake-row-ms 0.5"
-    args.title = args.title or "smoke (fake engine)"
+    args.title = args.title or (f"smoke ({args.url})" if args.url else "smoke (fake engine)")
     args.no_plots = True
 
 

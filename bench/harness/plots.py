@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,41 @@ def _pyplot() -> Any:
     return plt
 
 
+def _readable_log_axis(axis: Any) -> None:
+    """Label a log axis at 1, 2 and 5 of every decade, as plain numbers (``0.5``, ``2``, ``20``).
+
+    matplotlib's default labels only the decades (``10^0``, ``10^1``) and hides the minor
+    labels, so a latency spread over less than a decade showed one label or none at all.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _suptitle(fig: Any, results: dict[str, Any], width_in: float) -> None:
+    """The run's caption, wrapped to the figure's width so that no line is clipped at its edges."""
+    chars = max(40, int(width_in * 11))  # 9-point text: fewer than 12 characters to the inch
+    fig.suptitle(textwrap.fill(_caption(results), chars), fontsize=9)
+
+
 def _scenario_name(s: dict[str, Any]) -> str:
     fmt = f" {s['format']}" if s["format"] not in ("f32", "pcm16") else ""
     return f"{s['label']}{fmt}"
 
 
 def plot_cdfs(results: dict[str, Any], path: Path) -> None:
+    """Write :func:`cdf_figure` to ``path``."""
+    plt = _pyplot()
+    fig = cdf_figure(results)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cdf_figure(results: dict[str, Any]) -> Any:
     """One column per system, rows: time to first audio, to first non-silent sample, RTF."""
     plt = _pyplot()
-    from matplotlib.ticker import NullFormatter
-
     scenarios = results["scenarios"]
     systems = list(dict.fromkeys(s["system"] for s in scenarios))
     rows = (
@@ -34,8 +60,10 @@ def plot_cdfs(results: dict[str, Any], path: Path) -> None:
         ("ttfs_s", "time to first non-silent sample (s)"),
         ("rtf", "RTF"),
     )
+    width = 4.2 * max(1, len(systems))
+    # constrained layout makes room for the (wrapped) caption above the column titles.
     fig, axes = plt.subplots(
-        len(rows), max(1, len(systems)), figsize=(4.2 * max(1, len(systems)), 9), squeeze=False
+        len(rows), max(1, len(systems)), figsize=(width, 9), squeeze=False, layout="constrained"
     )
     for col, system in enumerate(systems):
         for row, (key, title) in enumerate(rows):
@@ -53,21 +81,19 @@ def plot_cdfs(results: dict[str, Any], path: Path) -> None:
             ax.set_ylabel("fraction of streams")
             ax.grid(alpha=0.3)
             ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
+            _readable_log_axis(ax.xaxis)
             if row == 0:
                 ax.set_title(system)
                 ax.legend(fontsize=7)
-    fig.suptitle(_caption(results), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _suptitle(fig, results, width)
+    return fig
 
 
 def plot_concurrency(results: dict[str, Any], path: Path) -> None:
     """Closed-loop scenarios: TTFA p50/p90 and steady throughput against concurrency, per system."""
     plt = _pyplot()
     closed = [s for s in results["scenarios"] if s["mode"] == "closed"]
-    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained")
     for system, fmt in dict.fromkeys((s["system"], s["format"]) for s in closed):
         points = sorted(
             (s for s in closed if s["system"] == system and s["format"] == fmt),
@@ -84,6 +110,7 @@ def plot_concurrency(results: dict[str, Any], path: Path) -> None:
     ax_lat.set_xlabel("concurrent streams (closed loop)")
     ax_lat.set_ylabel("time to first audio (s)")
     ax_lat.set_yscale("log")
+    _readable_log_axis(ax_lat.yaxis)
     ax_lat.grid(alpha=0.3, which="both")
     ax_lat.legend(fontsize=7)
     ax_tp.set_xlabel("concurrent streams (closed loop)")
@@ -91,8 +118,7 @@ def plot_concurrency(results: dict[str, Any], path: Path) -> None:
     ax_tp.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax_tp.grid(alpha=0.3)
     ax_tp.legend(fontsize=7)
-    fig.suptitle(_caption(results), fontsize=8)
-    fig.tight_layout()
+    _suptitle(fig, results, 11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -6,12 +6,14 @@ field, with sane values (time to first audio > 0, no errors, both formats).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench.runner import run_ok
+from tests.bench.runner import REPO, run_ok
 
 STREAM_KEYS = {
     "job", "system", "format", "text_size", "text_lang", "ok", "reason", "errors", "capped", "cut",
@@ -97,3 +99,31 @@ def test_listener_jitter_buffer_counts_underruns_and_stall() -> None:
     # A bigger buffer stalls less often; an empty end marker after the audio is no underrun.
     assert simulate(bursts, 0.5).underruns == 1
     assert simulate([(0.0, 0.1), (5.0, 0.0)], 0.05).underruns == 0
+
+
+async def test_smoke_honours_url(tmp_path: Path) -> None:
+    # A server the test starts, not the harness: ``--smoke --url`` must measure it and start none.
+    from bench.harness.servers import ServerProcess
+
+    server = ServerProcess(["--engine", "fake", "--fake-step-ms", "5", "--fake-row-ms", "0.5"])
+    await server.start(timeout_s=60)
+    try:
+        prefix = tmp_path / "smoke-url"
+        bench = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench", "--smoke", "--url", server.url, "--out", str(prefix),
+            cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            output, _ = await bench.communicate()
+        assert bench.returncode == 0, output.decode()[-3000:]
+    finally:
+        assert await server.stop() == 0
+    results = json.loads(prefix.with_name("smoke-url.json").read_text())
+    measured = results["systems"]["server"]
+    assert measured["url"] == server.url and measured["server"] is None  # no server of its own
+    assert results["settings"]["url"] == server.url
+    assert "server-b1" in {s["what"] for s in results["skipped"]}  # no --baseline-url given
+    scenarios = [s for s in results["scenarios"] if s["system"] == "server"]
+    assert {s["format"] for s in scenarios} == {"pcm16", "opus"}
+    for scenario in scenarios:
+        assert scenario["summary"]["ok"] == scenario["summary"]["streams"] > 0
