@@ -73,7 +73,8 @@ def test_deploy_k8s_is_the_chart_with_values_full() -> None:
     base: dict[str, Any] = {"apiKeys": {"existingSecret": "chattts-stream-api-keys"}}
     full = ("values-full.yaml",)
     chart = render(full, {**base, "gateway": {"create": True, "className": "example-gateway-class"}})
-    chart = Manifests(chart.name, chart.docs + render(full, {**base, "serviceMonitor": {"enabled": True}}).docs)
+    monitor = render(full, {**base, "serviceMonitor": {"enabled": True}})
+    chart = Manifests(chart.name, chart.docs + monitor.docs)
     ours = {(d["kind"], d["metadata"]["name"]): _normalised(d) for _, d in k8s().docs}
     theirs = {(d["kind"], d["metadata"]["name"]): _normalised(d) for _, d in chart.docs}
     # The chart with a ServiceMonitor drops the scrape annotations: compare the Deployment without it.
@@ -292,7 +293,8 @@ def test_the_http_api_can_stay_in_the_cluster() -> None:
 
 def test_routes_attach_to_the_parents_given() -> None:
     parents = [{"name": "shared-gateway", "namespace": "gateways", "sectionName": "websecure"}]
-    m = render(values={"httpRoute": {"enabled": True, "parentRefs": parents, "hostnames": ["tts.corp.example"]}})
+    route: dict[str, Any] = {"enabled": True, "parentRefs": parents, "hostnames": ["tts.corp.example"]}
+    m = render(values={"httpRoute": route})
     for route in m.of_kind("HTTPRoute"):
         assert route["spec"]["parentRefs"] == parents
         assert route["spec"]["hostnames"] == ["tts.corp.example"]

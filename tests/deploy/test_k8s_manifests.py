@@ -170,7 +170,6 @@ def test_the_validator_does_reject_a_bad_manifest(no_network: None) -> None:
         kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
 
 
-
 # --- the plain defaults ------------------------------------------------------------------
 
 
@@ -206,6 +205,7 @@ def test_the_built_in_check_sees_every_custom_kind() -> None:
     custom = {doc["kind"] for _, doc in SETS["chart-full"].docs if api_group(doc) not in BUILT_IN_GROUPS}
     assert custom == {"HTTPRoute", "Gateway", "ScaledObject", "ServiceMonitor"}
     assert SETS["chart-full"].of_kind("PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteMany"]
+
 
 def test_kustomization_lists_the_manifests() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
