@@ -35,12 +35,19 @@ FULL_VALUES: dict[str, Any] = {
     "gateway": {"create": True, "className": "example-gateway-class"},
     "serviceMonitor": {"enabled": True},
 }
-#: The sets every consistency test runs on: name -> (values files, extra values).
+#: The sets with the cluster add-ons (values-full.yaml: routes, KEDA, a shared weights
+#: volume), as deploy/k8s has them; the route and scaling tests run on these.
+#: name -> (values files, extra values).
 SETS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "chart-gpu": ((), {}),
-    "chart-cpu": (("values-cpu.yaml",), {}),
-    "chart-full": ((), FULL_VALUES),
-    "chart-cpu-full": (("values-cpu.yaml",), FULL_VALUES),
+    "chart-gpu": (("values-full.yaml",), {}),
+    "chart-cpu": (("values-cpu.yaml", "values-full.yaml"), {}),
+    "chart-full": (("values-full.yaml",), FULL_VALUES),
+    "chart-cpu-full": (("values-cpu.yaml", "values-full.yaml"), FULL_VALUES),
+}
+#: The chart's own defaults (no values-full.yaml): what `helm install` gives a plain cluster.
+PLAIN_SETS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "chart-plain-gpu": ((), {}),
+    "chart-plain-cpu": (("values-cpu.yaml",), {}),
 }
 
 Doc = dict[str, Any]
@@ -235,9 +242,11 @@ def manifest_set(name: str) -> Manifests:
     """One of the sets the consistency tests run on: ``k8s`` or a key of :data:`SETS`."""
     if name == "k8s":
         return k8s()
-    files, values = SETS[name]
+    files, values = {**SETS, **PLAIN_SETS}[name]
     rendered = render(files, values)
     return Manifests(name, rendered.docs)
 
 
 SET_NAMES = ["k8s", *SETS]
+PLAIN_SET_NAMES = list(PLAIN_SETS)
+ALL_SET_NAMES = [*SET_NAMES, *PLAIN_SET_NAMES]

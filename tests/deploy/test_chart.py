@@ -7,6 +7,7 @@ test_k8s_manifests.py and test_autoscaling.py; here: what a value changes.
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 from pathlib import Path
@@ -34,7 +35,11 @@ def secrets(m: Manifests) -> dict[str, Doc]:
     return {doc["metadata"]["name"]: doc for doc in m.of_kind("Secret")}
 
 
-@pytest.mark.parametrize("values_files", [(), ("values-cpu.yaml",)], ids=["gpu", "cpu"])
+@pytest.mark.parametrize(
+    "values_files",
+    [(), ("values-cpu.yaml",), ("values-full.yaml",), ("values-cpu.yaml", "values-full.yaml")],
+    ids=["gpu", "cpu", "gpu-full", "cpu-full"],
+)
 def test_helm_lint_strict_is_clean(values_files: tuple[str, ...]) -> None:
     report = lint(values_files)
     assert report["errors"] == []
@@ -62,14 +67,18 @@ def _normalised(doc: Doc) -> Doc:
     return doc
 
 
-def test_deploy_k8s_is_the_chart_with_its_default_values() -> None:
+def test_deploy_k8s_is_the_chart_with_values_full() -> None:
     """The plain manifests cannot drift from the chart: every object equal, but for Helm's labels."""
-    chart = render(values={"gateway": {"create": True, "className": "example-gateway-class"}})
-    chart = Manifests(chart.name, chart.docs + render(values={"serviceMonitor": {"enabled": True}}).docs)
+    # deploy/k8s mounts an API-key Secret made out of band, under the chart's default name.
+    base: dict[str, Any] = {"apiKeys": {"existingSecret": "chattts-stream-api-keys"}}
+    full = ("values-full.yaml",)
+    chart = render(full, {**base, "gateway": {"create": True, "className": "example-gateway-class"}})
+    monitor = render(full, {**base, "serviceMonitor": {"enabled": True}})
+    chart = Manifests(chart.name, chart.docs + monitor.docs)
     ours = {(d["kind"], d["metadata"]["name"]): _normalised(d) for _, d in k8s().docs}
     theirs = {(d["kind"], d["metadata"]["name"]): _normalised(d) for _, d in chart.docs}
     # The chart with a ServiceMonitor drops the scrape annotations: compare the Deployment without it.
-    theirs[("Deployment", "chattts-stream")] = _normalised(render().one("Deployment"))
+    theirs[("Deployment", "chattts-stream")] = _normalised(render(full, base).one("Deployment"))
     assert set(ours) == set(theirs)
     for key, doc in ours.items():
         assert doc == theirs[key], key
@@ -134,7 +143,7 @@ def test_api_keys_from_an_existing_secret_or_none() -> None:
     existing = render(values={"apiKeys": {"existingSecret": "my-keys"}})
     assert existing.volume_of_mount("/etc/chattts-stream/api-keys")["secret"]["secretName"] == "my-keys"
     assert secrets(existing) == {}
-    # Default: the Secret <release>-api-keys, made out of band (the pods wait for it).
+    # Default: the Secret <release>-api-keys, made by the chart (test_a_key_is_generated...).
     assert render().volume_of_mount("/etc/chattts-stream/api-keys")["secret"]["secretName"] == (
         "chattts-stream-api-keys"
     )
@@ -158,7 +167,25 @@ def test_a_changed_chart_made_secret_rolls_the_pods() -> None:
     one, two = checksum({"apiKeys": {"keys": ["a"]}}), checksum({"apiKeys": {"keys": ["b"]}})
     assert one and two and one != two
     assert checksum({"resumeSecret": {"value": "x" * 32}}) != checksum({"resumeSecret": {"value": "y" * 32}})
-    assert checksum({}) is None  # Secrets made out of band: nothing of theirs in the template
+    # Secrets made out of band, or the generated key (kept by upgrades): no checksum to roll on.
+    assert checksum({}) is None
+    assert checksum({"apiKeys": {"existingSecret": "my-keys"}}) is None
+
+
+def test_without_keys_the_chart_generates_one_the_server_reads(tmp_path: Path) -> None:
+    """No pod waits in ContainerCreating for a Secret nobody made: the default makes one."""
+    m = render()
+    keys_file = Path(m.env()["CHATTTS_API_KEYS_FILE"])
+    volume = m.volume_of_mount(str(keys_file.parent))
+    secret = secrets(m)[volume["secret"]["secretName"]]
+    (item,) = volume["secret"]["items"]
+    (tmp_path / item["path"]).write_bytes(base64.b64decode(secret["data"][item["key"]]))
+    ((key, tenant),) = read_api_keys(Settings(api_keys_file=str(tmp_path / item["path"])))
+    assert tenant is None and len(key) >= 32 and key.isalnum()
+    # Random, not a key every install shares (another render, another key; `lookup`
+    # keeps the installed one on upgrade, which needs a cluster to show).
+    other = secrets(render(name="other-release"))["other-release-chattts-stream-api-keys"]
+    assert base64.b64decode(other["data"]["keys"]).decode() != key
 
 
 # --- resume secret ---------------------------------------------------------------------------
@@ -197,7 +224,8 @@ def test_a_resume_secret_is_mounted_as_the_file_the_flag_names(values: dict[str,
         secret = made[volume["secret"]["secretName"]]
         assert secret["stringData"][volume["secret"]["items"][0]["key"]] == values["value"]
     else:
-        assert volume["secret"]["secretName"] == "shared-resume-key" and made == {}
+        assert volume["secret"]["secretName"] == "shared-resume-key"
+        assert not any(name.endswith("-resume") for name in made)
     with pytest.raises(RenderError, match="not both"):
         render(values={"resumeSecret": {"value": "x" * 32, "existingSecret": "y"}})
 
@@ -244,8 +272,19 @@ def test_without_autoscaling_the_deployment_keeps_its_count() -> None:
     assert m.one("Deployment")["spec"]["replicas"] == 3
 
 
+def test_the_defaults_route_nothing_and_scale_nothing() -> None:
+    """Routes and autoscaling are one value each (values-full.yaml sets them)."""
+    m = render()
+    assert m.of_kind("HTTPRoute") == [] and m.of_kind("ScaledObject") == []
+    assert m.one("Deployment")["spec"]["replicas"] == 2
+    on = render(values={"httpRoute": {"enabled": True}, "autoscaling": {"enabled": True}})
+    assert len(on.of_kind("HTTPRoute")) == 2 and len(on.of_kind("ScaledObject")) == 1
+    claim = render(values={"models": {"create": True}}).one("PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_the_http_api_can_stay_in_the_cluster() -> None:
-    m = render(values={"httpRoute": {"httpApi": False}})
+    m = render(values={"httpRoute": {"enabled": True, "httpApi": False}})
     assert len(m.of_kind("HTTPRoute")) == 1
     assert m.routed_port("/v1/audio/speech") is None
     assert m.routed_port("/v1/stream") == m.ws_port()
@@ -254,7 +293,8 @@ def test_the_http_api_can_stay_in_the_cluster() -> None:
 
 def test_routes_attach_to_the_parents_given() -> None:
     parents = [{"name": "shared-gateway", "namespace": "gateways", "sectionName": "websecure"}]
-    m = render(values={"httpRoute": {"parentRefs": parents, "hostnames": ["tts.corp.example"]}})
+    route: dict[str, Any] = {"enabled": True, "parentRefs": parents, "hostnames": ["tts.corp.example"]}
+    m = render(values={"httpRoute": route})
     for route in m.of_kind("HTTPRoute"):
         assert route["spec"]["parentRefs"] == parents
         assert route["spec"]["hostnames"] == ["tts.corp.example"]

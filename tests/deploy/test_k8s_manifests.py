@@ -1,8 +1,10 @@
 """Offline checks of every deployment manifest set (no cluster needed).
 
 The sets: the files of deploy/k8s, and the Helm chart deploy/helm/chattts-stream
-rendered (Helm's own engine, ``tests/deploy/helm_render.py``) with its GPU defaults,
-with values-cpu.yaml, and with every optional part on, for GPU and CPU
+rendered (Helm's own engine, ``tests/deploy/helm_render.py``) with values-full.yaml
+(routes, KEDA, a shared weights volume: what deploy/k8s holds), with values-cpu.yaml
+too, and with every optional part on, for GPU and CPU; and the chart's plain defaults
+for GPU and CPU, which must need nothing but Kubernetes itself
 (``tests/deploy/manifests.py``). Every object is validated against its schema with
 the network blocked (built-in kinds: the Kubernetes OpenAPI schemas of
 ``kubernetes-validate``, strict; Gateway API, KEDA and Prometheus-operator kinds: the
@@ -33,7 +35,16 @@ from server.engine.flags import engine_options
 from server.frontends.access import read_api_keys
 from server.frontends.wyoming.server import exposure_problem
 from tests.deploy import crd_schema
-from tests.deploy.manifests import K8S, K8S_OPTIONAL, SET_NAMES, Manifests, k8s_files, manifest_set
+from tests.deploy.manifests import (
+    ALL_SET_NAMES,
+    K8S,
+    K8S_OPTIONAL,
+    PLAIN_SET_NAMES,
+    SET_NAMES,
+    Manifests,
+    k8s_files,
+    manifest_set,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HTTP_API_SOURCE = ROOT / "server" / "frontends" / "http" / "api.py"
@@ -50,12 +61,28 @@ SLOWEST_CHARS_PER_S = 3.0
 
 Doc = dict[str, Any]
 
-SETS = {name: manifest_set(name) for name in SET_NAMES}
+SETS = {name: manifest_set(name) for name in ALL_SET_NAMES}
+#: The API groups every Kubernetes cluster serves without a CRD ("" is the core group, v1).
+BUILT_IN_GROUPS = {
+    "",
+    "apps",
+    "batch",
+    "autoscaling",
+    "policy",
+    "networking.k8s.io",
+    "rbac.authorization.k8s.io",
+    "storage.k8s.io",
+    "scheduling.k8s.io",
+    "coordination.k8s.io",
+    "discovery.k8s.io",
+}
+#: Tests of the pod and the Service, which hold for every set, plain defaults included.
+every_set = pytest.mark.parametrize("m", ALL_SET_NAMES, indirect=True)
 
 
 @pytest.fixture(params=SET_NAMES)
 def m(request: pytest.FixtureRequest) -> Manifests:
-    """Each manifest set in turn."""
+    """Each manifest set with the cluster add-ons in turn (``every_set``: the plain ones too)."""
     return SETS[request.param]
 
 
@@ -143,6 +170,43 @@ def test_the_validator_does_reject_a_bad_manifest(no_network: None) -> None:
         kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
 
 
+# --- the plain defaults ------------------------------------------------------------------
+
+
+def api_group(doc: Doc) -> str:
+    """The API group of an object ("" for the core group's ``v1``)."""
+    api_version: str = doc["apiVersion"]
+    return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+
+
+@pytest.mark.parametrize("name", PLAIN_SET_NAMES)
+def test_the_defaults_need_nothing_but_kubernetes(name: str) -> None:
+    """`helm install` with the default values works without Gateway API, KEDA, Prometheus or RWX."""
+    m = SETS[name]
+    assert m.docs
+    custom = [
+        (doc["apiVersion"], doc["kind"])
+        for _, doc in m.docs
+        if api_group(doc) not in BUILT_IN_GROUPS or crd_schema.is_custom(doc)
+    ]
+    assert custom == [], "kinds a plain cluster does not know"
+    # No claim that waits for a ReadWriteMany storage class: each pod downloads the weights.
+    assert m.of_kind("PersistentVolumeClaim") == []
+    assert "emptyDir" in m.volume_of_mount("/models")
+    # Without KEDA the Deployment keeps its own count.
+    assert m.one("Deployment")["spec"]["replicas"] >= 1
+    # The API-key Secret the pods mount is in the release: no pod waits for one made by hand.
+    keys_dir = str(Path(m.env()["CHATTTS_API_KEYS_FILE"]).parent)
+    assert m.named("Secret", m.volume_of_mount(keys_dir)["secret"]["secretName"])
+
+
+def test_the_built_in_check_sees_every_custom_kind() -> None:
+    """The check above can fail: values-full's add-ons are all outside the built-in groups."""
+    custom = {doc["kind"] for _, doc in SETS["chart-full"].docs if api_group(doc) not in BUILT_IN_GROUPS}
+    assert custom == {"HTTPRoute", "Gateway", "ScaledObject", "ServiceMonitor"}
+    assert SETS["chart-full"].of_kind("PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_kustomization_lists_the_manifests() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert set(kustomization["resources"]) == {p.name for p in k8s_files()} - K8S_OPTIONAL
@@ -154,10 +218,12 @@ def test_kustomization_lists_the_manifests() -> None:
 # --- the pod -----------------------------------------------------------------------------
 
 
+@every_set
 def test_deployment_selector_matches_its_pods(m: Manifests) -> None:
     assert selects(m.one("Deployment")["spec"]["selector"]["matchLabels"], m.pod_labels())
 
 
+@every_set
 def test_probes_hit_health_and_ready_on_the_container_port(m: Manifests) -> None:
     c = m.container()
     ports = m.container_ports()
@@ -185,6 +251,7 @@ def _prestop_seconds(c: Doc) -> float:
     return float(command[1])
 
 
+@every_set
 def test_grace_period_covers_prestop_and_drain(m: Manifests) -> None:
     pre_stop = _prestop_seconds(m.container())
     drain = m.settings().drain_timeout_s
@@ -193,6 +260,7 @@ def test_grace_period_covers_prestop_and_drain(m: Manifests) -> None:
     assert m.pod()["terminationGracePeriodSeconds"] > pre_stop + drain
 
 
+@every_set
 def test_gpu_pods_take_one_gpu_and_cpu_pods_none(m: Manifests) -> None:
     resources = m.container()["resources"]
     assert {"cpu", "memory"} <= set(resources["requests"])
@@ -210,6 +278,7 @@ def test_gpu_pods_take_one_gpu_and_cpu_pods_none(m: Manifests) -> None:
         assert m.settings().threads == int(resources["requests"]["cpu"])
 
 
+@every_set
 def test_chattts_env_are_real_settings_and_parse(m: Manifests) -> None:
     names = {f"CHATTTS_{name.upper()}" for name in Settings.__dataclass_fields__}
     chattts = {k for k in m.env() if k.startswith("CHATTTS_")}
@@ -232,6 +301,7 @@ def test_weights_volume_and_writable_tmp(m: Manifests) -> None:
     assert m.pod()["securityContext"]["runAsNonRoot"] is True
 
 
+@every_set
 def test_metrics_are_scraped_once_from_the_websocket_port(m: Manifests) -> None:
     """Pod annotations or a ServiceMonitor, never both (series would double)."""
     annotations = m.one("Deployment")["spec"]["template"]["metadata"].get("annotations", {})
@@ -245,6 +315,7 @@ def test_metrics_are_scraped_once_from_the_websocket_port(m: Manifests) -> None:
     assert int(annotations["prometheus.io/port"]) == m.ws_port()
 
 
+@every_set
 def test_ports_are_named_container_ports_and_match_the_settings(m: Manifests) -> None:
     ports = m.container_ports()
     # Explicit, so that a port that cannot be bound fails the start (the default -1 only
@@ -259,6 +330,7 @@ def test_ports_are_named_container_ports_and_match_the_settings(m: Manifests) ->
     assert all(p["protocol"] == "TCP" for p in m.container()["ports"])
 
 
+@every_set
 def test_api_keys_come_from_a_mounted_secret(m: Manifests) -> None:
     env = m.env()
     # Keys never sit in the manifest itself.
@@ -284,6 +356,7 @@ def test_api_keys_come_from_a_mounted_secret(m: Manifests) -> None:
         read_api_keys(Settings(api_keys_file=str(ROOT / "no-such-dir" / keys_file.name)))
 
 
+@every_set
 def test_client_ips_are_not_taken_from_a_header_the_client_can_write(m: Manifests) -> None:
     """The server would take the first X-Forwarded-For hop; behind a Gateway that is the client's.
 
@@ -297,6 +370,7 @@ def test_client_ips_are_not_taken_from_a_header_the_client_can_write(m: Manifest
 # --- service, routes, disruption budget --------------------------------------------------
 
 
+@every_set
 def test_service_selects_the_pods_and_targets_the_container_ports(m: Manifests) -> None:
     service = m.one("Service")
     assert selects(service["spec"]["selector"], m.pod_labels())
