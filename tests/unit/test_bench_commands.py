@@ -40,6 +40,14 @@ def documented_modules() -> list[str]:
     return sorted(found)
 
 
+def run_as_main(module: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ``module`` in this process as ``python -m module *args`` would."""
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    # As ``python -m`` does: the module runs afresh as __main__, even if a test imported it before.
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def test_the_docs_give_the_suites_commands() -> None:
     # The scan itself must find commands: a broken pattern would pass every case below vacuously.
     assert {"bench", "bench.cpu", "bench.gpu", "bench.chaos", "bench.soak"} <= set(documented_modules())
@@ -47,12 +55,9 @@ def test_the_docs_give_the_suites_commands() -> None:
 
 @pytest.mark.parametrize("module", documented_modules())
 def test_a_documented_command_answers_help(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", [module, "--help"])
-    # As ``python -m`` does: the module runs afresh as __main__, even if a test imported it before.
-    monkeypatch.delitem(sys.modules, module, raising=False)
     out = io.StringIO()
     with pytest.raises(SystemExit) as ended, contextlib.redirect_stdout(out):
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        run_as_main(module, ["--help"], monkeypatch)
     assert ended.value.code in (0, None), (module, out.getvalue()[-500:])
     assert "usage:" in out.getvalue(), (module, out.getvalue()[:300])
 
@@ -139,12 +144,10 @@ def parse_command(command: str, monkeypatch: pytest.MonkeyPatch) -> argparse.Nam
         raise Parsed(original(self, args, namespace))
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.setattr(sys, "argv", [module, *argv[3:]])
-    monkeypatch.delitem(sys.modules, module, raising=False)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            run_as_main(module, argv[3:], monkeypatch)
     except Parsed as parsed:
         return parsed.args[0]  # type: ignore[no-any-return]
     except SystemExit:

@@ -152,6 +152,11 @@ def test_no_module_repeats_its_folders_name_as_a_prefix() -> None:
 SUITES = ("bench.cpu", "bench.gpu", "bench.gpu_sim", "bench.chaos", "bench.soak", "bench.words")
 
 
+def bench_packages() -> set[str]:
+    """The folders of ``bench/`` that are packages (``cpu``, ``harness``, ...)."""
+    return {p.parent.name for p in BENCH.glob("*/__init__.py")}
+
+
 def bench_package(module: str) -> str:
     """``bench.chaos.attacks`` → ``bench.chaos``; ``bench.__main__`` → ``bench``."""
     return ".".join(module.split(".")[:2])
@@ -179,7 +184,7 @@ def bench_violations(graph: dict[str, set[str]]) -> list[str]:
 def test_bench_holds_only_its_entry_point_and_packages() -> None:
     loose = sorted(p.name for p in BENCH.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
     assert loose == [], "a bench module belongs in a folder by purpose (bench/README.md)"
-    packages = {p.parent.name for p in BENCH.glob("*/__init__.py")}
+    packages = bench_packages()
     assert {s.removeprefix("bench.") for s in SUITES} <= packages
     assert all((BENCH / s.removeprefix("bench.") / "__main__.py").is_file() for s in SUITES)
 
@@ -207,6 +212,6 @@ def test_the_bench_rules_catch_a_forbidden_import(module: str, dep: str) -> None
 def test_tests_bench_follows_the_bench_folders() -> None:
     tests_bench = SERVER.parent / "tests" / "bench"
     folders = {p.name for p in tests_bench.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    packages = {p.parent.name for p in BENCH.glob("*/__init__.py")}
+    packages = bench_packages()
     assert folders <= packages, folders - packages
     assert not list(tests_bench.glob("test_*.py")), "a bench test lives in its suite's folder"
