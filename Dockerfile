@@ -47,7 +47,8 @@
 # build) and loads them from the virtual environment, never from /usr/local/cuda. A CUDA
 # "runtime" base would add a second copy (nvidia/cuda:12.8.1-runtime: CUDA 12 libraries,
 # which a CUDA 13 torch cannot even load). The one thing torch needs from outside the wheel is
-# the driver (libcuda), which the NVIDIA Container Toolkit mounts from the host.
+# the driver (libcuda), which the NVIDIA Container Toolkit mounts from the host. The sizes:
+# bench/results/studies/image-content-gpu.md (python -m bench.studies.image_content).
 ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b
 
 FROM ${BASE_IMAGE} AS base
