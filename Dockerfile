@@ -12,7 +12,7 @@
 # The GPU image needs, on the host, an NVIDIA driver for CUDA 13 (580 or newer) and the NVIDIA
 # Container Toolkit (`--gpus`), which mounts the driver into the container. A driver older
 # than that: build with --build-arg TORCH_SPEC=torch==2.13.0+cu126 --build-arg
-# TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg NVIDIA_REQUIRE_CUDA=cuda>=12.0
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg NVIDIA_REQUIRE_CUDA="cuda>=12.0"
 # (CUDA 12.6 runs on driver 525 or newer).
 #
 # Ports: 8080 = WebSocket /v1/stream, /health, /ready, /metrics and the demo page;
