@@ -256,10 +256,15 @@ def test_every_base_is_pinned_by_digest() -> None:
         assert re.fullmatch(r"[a-z0-9./_-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), (
             f"{stage.name}: FROM {image}"
         )
-    # The ARG that names a base is used as given: no build stage re-declares it.
+    # Every ARG that names an image is pinned too (scripts/base_images.sh reads these lines),
+    # and no COPY --from pulls an image that is not a stage of this file.
     for name, value in global_args().items():
         if name.endswith("_IMAGE"):
             assert re.search(r"@sha256:[0-9a-f]{64}$", value), f"{name}={value}"
+    for stage in STAGES.values():
+        for copy in stage.values("COPY"):
+            if copy.startswith("--from="):
+                assert copy.split()[0].removeprefix("--from=") in STAGES, f"{stage.name}: COPY {copy}"
 
 
 def test_base_images_script_shows_each_pin_and_how_to_refresh_it(tmp_path: Path) -> None:
