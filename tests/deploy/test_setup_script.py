@@ -15,6 +15,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.deploy.test_dockerfile import STAGES, effective_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_CHOICE = ROOT / "scripts" / "torch_choice.sh"
@@ -259,6 +262,32 @@ def test_an_unknown_torch_variant_is_refused(bin_dir: Path, full_index: Index) -
     assert choice.returncode != 0
     [line] = choice.lines
     assert "TORCH_VARIANT=cu118" in line and "cpu cu130 cu126" in line
+
+
+@pytest.mark.parametrize(
+    ("image", "smi"),
+    [("cpu", None), ("gpu", smi_header("13.0"))],
+    ids=["cpu-without-a-driver", "gpu-with-a-cuda-13-driver"],
+)
+def test_the_images_install_what_the_setup_picks(
+    bin_dir: Path, full_index: Index, image: str, smi: str | None
+) -> None:
+    """The Dockerfile names its torch instead of detecting it (the machine that builds an image
+    is not the one that runs it): the same torch, from the same index, that the set-up picks on
+    a machine without a driver (cpu) and on one whose driver the GPU image requires (gpu)."""
+    if smi:
+        fake_nvidia_smi(bin_dir, smi)
+        required = effective_env(image)["NVIDIA_REQUIRE_CUDA"]
+        assert required == f"cuda>={smi.split('CUDA Version:')[1].split()[0]}", "a driver the image accepts"
+    choice = choose(bin_dir, full_index.base)
+    assert choice.returncode == 0, choice.lines
+    args = STAGES[f"{image}-build"].args()
+    default_base = re.search(
+        r'PYTORCH_INDEX_BASE="\$\{PYTORCH_INDEX_BASE:-([^}]+)\}"', TORCH_CHOICE.read_text()
+    )
+    assert default_base, "torch_choice.sh has no default PYTORCH_INDEX_BASE"
+    assert choice.values["torch_spec"] == args["TORCH_SPEC"] == STAGES[image].args()["TORCH_SPEC"]
+    assert choice.values["index"].replace(full_index.base, default_base.group(1)) == args["TORCH_INDEX_URL"]
 
 
 # --- setup.sh with a stub .venv ------------------------------------------------------------
