@@ -35,6 +35,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {() => void} stop
  * @property {() => void} close
  * @property {() => Promise<Float32Array>} [tapped]
+ * @property {(ms: number) => void} [setStartThreshold] raise the start threshold (the server's advice)
  */
 
 /**
@@ -78,7 +79,9 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
 /**
  * Events of a {@link SpeechStream}.
  * @typedef {object} StreamEvents
- * @property {{token: string, slot: number, format: string, sampleRate: number}} started
+ * @property {{token: string, slot: number, format: string, sampleRate: number, bufferMs: number | null, expectedRtf: number | null}} started
+ *   `bufferMs`/`expectedRtf`: the server's advice (null from a server without it); playback waits for
+ *   the larger of `bufferMs` and `startThresholdMs`
  * @property {{text: string, seq: number, sample: number}} segment
  * @property {{seq: number, sample: number, bytes: number, last: boolean}} audio a frame arrived
  * @property {{timeToFirstAudioMs: number}} playing the first sample was rendered
@@ -266,7 +269,11 @@ export class SpeechStream extends Emitter {
       this.fail('unsupported', `server started ${msg.format} at ${msg.sample_rate} Hz, asked for ${this.format} at ${this.sampleRate} Hz`);
       return;
     }
-    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate });
+    // The server's advice: audio to hold so that the whole stream plays without a stall.
+    const bufferMs = typeof msg.buffer_ms === 'number' && msg.buffer_ms >= 0 ? msg.buffer_ms : null;
+    const expectedRtf = typeof msg.expected_rtf === 'number' ? msg.expected_rtf : null;
+    if (bufferMs !== null) this.player?.setStartThreshold?.(bufferMs);
+    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate, bufferMs, expectedRtf });
   }
 
   /** @param {Record<string, any>} msg `resumed` */
