@@ -28,7 +28,10 @@ MEASURE = "A stream that measures the slow pace."
 ADVISED = "The stream that follows it is played on the advice given."
 
 
-async def _speak(port: int, text: str, min_buffer_ms: float) -> tuple[cs.SpeechStream, list[cs.AudioChunk], float]:
+Spoken = tuple[cs.SpeechStream, list[cs.AudioChunk], float]
+
+
+async def _speak(port: int, text: str, min_buffer_ms: float) -> Spoken:
     """One stream through ``buffered``: the stream, its chunks, and when the first one was yielded."""
     async with cs.Client(URL.format(port), read_timeout=30) as client:
         stream = client.speak(text, format="pcm16", seed=1)
