@@ -46,6 +46,9 @@ LENGTH_MARGIN = 1.25
 #: Before warm-up measured it: ChatTTS speaks about a quarter of a second a text token
 #: (a Chinese character, an English word piece).
 DEFAULT_AUDIO_S_PER_TEXT_TOKEN = 0.25
+#: Added to every buffer: a block's audio reaches the listener a little after the step that
+#: made it (events, encoding, the network), and a figure exactly at the boundary stalls.
+JITTER_S = 0.05
 #: No advice asks for more than this (a client still plays a longer stream: it starts later).
 MAX_BUFFER_S = 600.0
 
@@ -105,12 +108,12 @@ def buffer_s(rtf: float, length_s: float | None, block_s: float) -> float:
     blocks) for every block after the start. The next block asks ``X ≥ r·b``; when
     ``r > 1`` the last one asks more, ``X ≥ (L − b)·(1 − 1/r) + b``. Never more than the
     stream itself. ``length_s`` None (text still to come): the block term alone, and
-    :func:`per_second` says what each second of audio adds.
+    :func:`per_second` says what each second of audio adds. Plus :data:`JITTER_S`.
     """
-    need = rtf * block_s
+    need = rtf * block_s + JITTER_S
     if length_s is not None:
         if rtf > 1.0:
-            need = max(need, (length_s - block_s) * (1.0 - 1.0 / rtf) + block_s)
+            need = max(need, (length_s - block_s) * (1.0 - 1.0 / rtf) + block_s + JITTER_S)
         need = min(need, length_s)
     return min(max(0.0, need), MAX_BUFFER_S)
 
