@@ -91,12 +91,15 @@ def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> 
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
     metrics = Metrics()
     pace = Pace(metrics, len)
+    step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
+    pace.calibrate(["x"], 0.1)
     step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
     pace.calibrate(["x"], 0.1)
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 0.5)
     step(metrics, rows=1, seconds_per_token_step=2.0 * TOKEN_S)  # a neighbour took the CPU
     assert pace.advice() is not None  # an advice reads the new window
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 2.0)
+    assert pace.rtf(2) >= pace.rtf(1)  # the stale point at 2 rows never makes more rows faster
     step(metrics, rows=1, seconds_per_token_step=9.0 * TOKEN_S, blocks=2)  # too few steps to say
     pace.advice()
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 2.0)
