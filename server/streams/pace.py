@@ -19,9 +19,10 @@ a machine that slows down is followed at the next window). Between and beyond th
 pace is a line in rows (never faster with more rows), so a stream expected to share its
 steps with more rows is expected slower. The warm-up runs one
 stream alone, then two together (``server.core.warmup``), so the first client already
-has two points, and what a text token speaks for (audio seconds per text token,
-:meth:`Engine.text_tokens <server.engine_api.Engine.text_tokens>`) to foresee a stream's
-length from its text.
+has two points, and how much audio the text's words make (audio seconds per unit of
+:func:`~server.engine_api.speech_tokens`, the language-weighted measure of a text's words
+the engine's token caps use: a CJK character weighs two Latin letters) to foresee a
+stream's length from its text.
 
 Bounded: a fixed number of points, a few floats; nothing grows with traffic.
 """
@@ -29,9 +30,10 @@ Bounded: a fixed number of points, a few floats; nothing grows with traffic.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from server.engine_api import speech_tokens
 from server.metrics import Metrics
 
 #: A window shorter than this many engine steps says too little to be a point.
@@ -43,9 +45,9 @@ MAX_POINTS = 16
 RTF_MARGIN = 1.15
 #: A stream's length foreseen from its text is taken this much longer (speech length varies).
 LENGTH_MARGIN = 1.25
-#: Before warm-up measured it: ChatTTS speaks about a quarter of a second a text token
-#: (a Chinese character, an English word piece).
-DEFAULT_AUDIO_S_PER_TEXT_TOKEN = 0.25
+#: Before warm-up measured it: ``speech_tokens`` counts audio tokens (21.3 ms) at a third of
+#: an ordinary speaking rate, so about a third of a token's audio a unit.
+DEFAULT_AUDIO_S_PER_SPEECH_TOKEN = 512 / 24_000 / 3
 #: Added to every buffer: a block's audio reaches the listener a little after the step that
 #: made it (events, encoding, the network), and a figure exactly at the boundary stalls.
 JITTER_S = 0.05
@@ -172,16 +174,17 @@ class Advice:
 class Pace:
     """The engine's pace, from its measured steps; the buffer advice for a new stream."""
 
-    def __init__(self, metrics: Metrics, text_tokens: Callable[[str], int]) -> None:
+    def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._text_tokens = text_tokens
         self._last = _totals(metrics)
         #: Seconds per token step by rows, newest last (insertion order is update order).
         self._points: dict[int, float] = {}
         self._audio_s_per_token: float | None = None
         self._block_tokens = 0.0
         self._recent_rows = 1.0  # the last window's mean rows
-        self.audio_s_per_text_token = DEFAULT_AUDIO_S_PER_TEXT_TOKEN
+        #: Audio seconds a unit of ``speech_tokens`` made at warm-up (the default before).
+        self.audio_s_per_speech_token = DEFAULT_AUDIO_S_PER_SPEECH_TOKEN
+        self._calibrated = False
 
     # --- measuring -----------------------------------------------------------------------
 
@@ -210,11 +213,17 @@ class Pace:
         self._block_tokens = max(self._block_tokens, now.largest_block)
 
     def calibrate(self, texts: Sequence[str], audio_s: float) -> None:
-        """A warm-up phase ended: its steps become a point; ``texts`` spoke ``audio_s`` seconds."""
+        """A warm-up phase ended: its steps become a point; ``texts`` spoke ``audio_s`` seconds.
+
+        The audio a unit of text makes is the largest of the phases' (languages differ; a
+        stream foreseen longer is only advised a larger buffer).
+        """
         self.sample(force=True)
-        tokens = sum(self._text_tokens(text) for text in texts)
-        if tokens > 0 and audio_s > 0:
-            self.audio_s_per_text_token = audio_s / tokens
+        units = sum(speech_tokens(text) for text in texts)
+        if units > 0 and audio_s > 0:
+            measured = audio_s / units
+            known = self.audio_s_per_speech_token if self._calibrated else 0.0
+            self.audio_s_per_speech_token, self._calibrated = max(known, measured), True
 
     @property
     def known(self) -> bool:
@@ -254,7 +263,7 @@ class Pace:
         rtf = self.rtf(self.expected_rows(joining=joining))
         length = None
         if text:
-            length = LENGTH_MARGIN * self.audio_s_per_text_token * self._text_tokens(text)
+            length = LENGTH_MARGIN * self.audio_s_per_speech_token * speech_tokens(text)
         block_s = max(self._block_tokens, 1.0) * self._audio_s_per_token
         return Advice(
             expected_rtf=rtf,
@@ -272,5 +281,5 @@ class Pace:
         pace = "real time" if one <= 1.0 else f"slower than real time: buffer {buffer_ms:.0f} ms a second"
         return (
             f"{engine}: {step_ms:.1f} ms a token step at 1 stream, expected RTF {one:.2f} "
-            f"({pace}); {self.audio_s_per_text_token:.2f} s of audio a text token"
+            f"({pace}); {1000 * self.audio_s_per_speech_token * 12:.0f} ms of audio a Latin letter"
         )

@@ -87,7 +87,7 @@ class SpeechService:
         #: Every port's one voice list and name resolution (``open`` resolves each request's voice).
         self.catalog = VoiceCatalog(engine, self.voices)
         #: The engine's pace, and how much a listener should buffer (``started``, ``hello``).
-        self.pace = Pace(metrics, engine.text_tokens)
+        self.pace = Pace(metrics)
         #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
         self.router: Router | None = None
 

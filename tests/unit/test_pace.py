@@ -57,16 +57,16 @@ def step(metrics: Metrics, rows: int, seconds_per_token_step: float, blocks: int
 
 
 def test_nothing_measured_no_advice() -> None:
-    assert Pace(Metrics(), len).advice("some text") is None
+    assert Pace(Metrics()).advice("some text") is None
 
 
 def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> None:
     metrics = Metrics()
-    pace = Pace(metrics, len)  # one text token a character
+    pace = Pace(metrics)
     step(metrics, rows=4, seconds_per_token_step=1.6 * TOKEN_S)
     pace.calibrate(["x" * 100], audio_s=10.0)
     step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)  # the last window: one row
-    pace.calibrate(["x" * 100], audio_s=10.0)  # 0.1 s of audio a character
+    pace.calibrate(["x" * 100], audio_s=10.0)  # 0.1 s of audio a letter (12 speech tokens)
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 0.8)
     assert pace.rtf(4) == pytest.approx(RTF_MARGIN * 1.6)
     assert pace.rtf(8) > pace.rtf(4)  # beyond the points: the line's slope, never flat or faster
@@ -78,7 +78,7 @@ def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> 
     metrics.running_sequences.set(3)  # three rows run: the stream shares its steps with them
     shared = pace.advice("y" * 50)
     assert shared is not None and shared.expected_rtf == pytest.approx(RTF_MARGIN * 1.6)
-    length = LENGTH_MARGIN * 0.1 * 50
+    length = LENGTH_MARGIN * 0.1 * 50  # 50 letters
     assert shared.buffer_ms == pytest.approx(
         1000 * buffer_s(shared.expected_rtf, length, BLOCK * TOKEN_S), abs=1
     )
@@ -90,7 +90,7 @@ def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> 
 
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
     metrics = Metrics()
-    pace = Pace(metrics, len)
+    pace = Pace(metrics)
     step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
     pace.calibrate(["x"], 0.1)
     step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
@@ -107,10 +107,20 @@ def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
 
 def test_the_start_up_line_says_the_pace_at_one_stream() -> None:
     metrics = Metrics()
-    pace = Pace(metrics, len)
+    pace = Pace(metrics)
     assert "no step measured" in pace.expectation("fake")
     step(metrics, rows=1, seconds_per_token_step=1.5 * TOKEN_S)
     pace.calibrate(["x"], 0.1)
     line = pace.expectation("chattts (cpu, bfloat16, compiled, w8a8)")
     assert line.startswith("chattts (cpu, bfloat16, compiled, w8a8): 32.0 ms a token step at 1 stream")
     assert f"expected RTF {RTF_MARGIN * 1.5:.2f}" in line and "slower than real time" in line
+
+
+def test_the_length_of_a_text_is_foreseen_from_the_wordier_phase_of_the_warm_up() -> None:
+    metrics = Metrics()
+    pace = Pace(metrics)
+    step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
+    pace.calibrate(["x" * 10], audio_s=1.2)  # 10 letters: 0.01 s a speech token
+    step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
+    pace.calibrate(["你好"], audio_s=0.24)  # 2 characters (48 units): 0.005 s, less
+    assert pace.audio_s_per_speech_token == pytest.approx(0.01)  # the larger: never foreseen shorter
