@@ -59,6 +59,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {number} [top_k]
  * @property {string} [id] the stream id (default: generated)
  * @property {number} [startThresholdMs] jitter buffer start threshold (client default)
+ * @property {boolean} [bufferAdvice] honour the server's `started.buffer_ms` (client default)
  * @property {boolean} [tap] record the played samples (`stream.tapped()`), for tests
  */
 
@@ -105,6 +106,8 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {boolean} [autoReconnect] default true
  * @property {number} [startThresholdMs] jitter buffer start threshold (default 150)
  * @property {number} [maxThresholdMs] adaptive threshold bound (default 1500)
+ * @property {boolean} [bufferAdvice] start playback on the server's `started.buffer_ms` when it is larger
+ *   than `startThresholdMs` (default true; false: the fixed threshold alone)
  * @property {number} [maxStartRetries] retries of a `start` refused with retry_after_ms (default 3)
  * @property {() => number} [now] milliseconds clock (default performance.now)
  */
@@ -272,7 +275,8 @@ export class SpeechStream extends Emitter {
     // The server's advice: audio to hold so that the whole stream plays without a stall.
     const bufferMs = typeof msg.buffer_ms === 'number' && msg.buffer_ms >= 0 ? msg.buffer_ms : null;
     const expectedRtf = typeof msg.expected_rtf === 'number' ? msg.expected_rtf : null;
-    if (bufferMs !== null) this.player?.setStartThreshold?.(bufferMs);
+    const honour = this.options.bufferAdvice ?? this.client.bufferAdvice;
+    if (bufferMs !== null && honour) this.player?.setStartThreshold?.(bufferMs);
     this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate, bufferMs, expectedRtf });
   }
 
@@ -402,6 +406,7 @@ export class TTSClient extends Emitter {
     this.backoff = new Backoff(options.reconnect);
     this.startThresholdMs = options.startThresholdMs ?? 150;
     this.maxThresholdMs = options.maxThresholdMs ?? 1500;
+    this.bufferAdvice = options.bufferAdvice ?? true;
     this.maxStartRetries = options.maxStartRetries ?? 3;
     this.now = options.now ?? (() => globalThis.performance.now());
     /** @type {Map<string, SpeechStream>} unfinished streams by id */

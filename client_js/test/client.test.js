@@ -467,3 +467,14 @@ test("started's buffer_ms raises the player's start threshold; without it the cl
   assert.deepEqual(seen.map((e) => [e.bufferMs, e.expectedRtf]), [[2400, 1.6], [null, null]]);
   client.close();
 });
+
+test('bufferAdvice: false keeps the fixed threshold whatever the server advises', async () => {
+  const { client, audio } = makeClient(fakeAudio(), { bufferAdvice: false });
+  client.speak('Slow text.', { format: 'pcm16', id: 'a' });
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 1);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, expected_rtf: 1.6, buffer_ms: 2400, buffer_ms_per_s: 375 });
+  assert.deepEqual(audio.players[0].thresholds, []);
+  client.close();
+});
