@@ -17,9 +17,9 @@ least :data:`MIN_STEPS` steps is one point: seconds per token step at its mean r
 (rounded), the newest point at each row count kept (at most :data:`MAX_POINTS` of them, so
 a machine that slows down is followed at the next window). Between and beyond them the
 pace is a line in rows (never faster with more rows), so a stream expected to share its
-steps with more rows is expected slower. The warm-up runs one
-stream alone, then two together (``server.core.warmup``), so the first client already
-has two points, and how much audio the text's words make (audio seconds per unit of
+steps with more rows is expected slower. The warm-up runs one stream alone, then two
+together (``server.core.warmup``), so the first client already has two points, and how
+much audio the text's words make (audio seconds per unit of
 :func:`~server.engine_api.speech_tokens`, the language-weighted measure of a text's words
 the engine's token caps use: a CJK character weighs two Latin letters) to foresee a
 stream's length from its text.
@@ -51,7 +51,8 @@ DEFAULT_AUDIO_S_PER_SPEECH_TOKEN = 512 / 24_000 / 3
 #: Added to every buffer: a block's audio reaches the listener a little after the step that
 #: made it (events, encoding, the network), and a figure exactly at the boundary stalls.
 JITTER_S = 0.05
-#: No advice asks for more than this (a client still plays a longer stream: it starts later).
+#: No advice asks for more than ten minutes of audio (a listener of a longer, slower stream
+#: may still stall once).
 MAX_BUFFER_S = 600.0
 
 
@@ -70,21 +71,17 @@ class _Totals:
 
 def _totals(metrics: Metrics) -> _Totals:
     values: dict[str, float] = {}
-    largest = 0.0
-    for collector in (metrics.block_time, metrics.block_tokens, metrics.batch_size, metrics.tokens):
+    buckets: list[tuple[float, float]] = []  # chattts_block_tokens: (upper bound, blocks at most it)
+    collectors = (metrics.block_time, metrics.block_tokens, metrics.batch_size, metrics.tokens)
+    for collector in (*collectors, metrics.audio_seconds):
         for family in collector.collect():
             for sample in family.samples:
                 values[sample.name] = sample.value
-    for family in metrics.audio_seconds.collect():
-        for sample in family.samples:
-            values[sample.name] = sample.value
+                if sample.name == "chattts_block_tokens_bucket" and sample.labels["le"] != "+Inf":
+                    buckets.append((float(sample.labels["le"]), sample.value))
     count = values.get("chattts_block_tokens_count", 0.0)
-    for family in metrics.block_tokens.collect():
-        for sample in family.samples:  # the lowest bucket holding every block bounds the largest
-            bound = sample.labels.get("le")
-            if sample.name.endswith("_bucket") and bound not in (None, "+Inf") and sample.value >= count:
-                largest = float(bound)
-                break
+    # The lowest bucket that holds every block bounds the largest block.
+    largest = next((bound for bound, blocks in buckets if blocks >= count), 0.0)
     return _Totals(
         step_s=values.get("chattts_block_seconds_sum", 0.0),
         token_steps=values.get("chattts_block_tokens_sum", 0.0),
