@@ -114,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument(
         "--jitter-ms", default="100,300", help="jitter-buffer start thresholds of the listener"
     )
+    measure.add_argument(
+        "--advice",
+        action="store_true",
+        help="also simulate a listener that honours the server's buffer advice (started.buffer_ms), "
+        "starting on max(--advice-floor-ms, the advice)",
+    )
+    measure.add_argument(
+        "--advice-floor-ms",
+        type=float,
+        default=300.0,
+        help="the advised listener's own buffer: all it holds when the server gives no advice",
+    )
     measure.add_argument("--out", type=Path, help="output prefix (default bench/results/harness/run-<time>)")
     measure.add_argument("--title", default="", help="one line describing the run, for plots and the table")
     measure.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -151,6 +163,7 @@ class Harness:
             args.texts, sizes=tuple(_csv(args.text_sizes)), langs=tuple(_csv(args.text_langs))
         )
         self.jitter_ms = [float(x) for x in _csv(args.jitter_ms)]
+        self.advice_floor_ms: float | None = args.advice_floor_ms if args.advice else None
         self.formats = _csv(args.formats)
         self.baselines = _csv(args.baselines)
         self.loads = [
@@ -181,7 +194,7 @@ class Harness:
         cpu_s: float | None,
     ) -> dict[str, Any]:
         """Turn records into metrics and a summary; keep it for the results."""
-        metrics = [stream_metrics(r, self.jitter_ms) for r in records]
+        metrics = [stream_metrics(r, self.jitter_ms, self.advice_floor_ms) for r in records]
         summary = summarize(
             records, metrics, t_start=run.t_start, t_stop=run.t_stop, t_end=run.t_end, cpu_s=cpu_s
         )

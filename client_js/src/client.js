@@ -35,6 +35,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {() => void} stop
  * @property {() => void} close
  * @property {() => Promise<Float32Array>} [tapped]
+ * @property {(ms: number) => void} [setStartThreshold] raise the start threshold (the server's advice)
  */
 
 /**
@@ -58,6 +59,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {number} [top_k]
  * @property {string} [id] the stream id (default: generated)
  * @property {number} [startThresholdMs] jitter buffer start threshold (client default)
+ * @property {boolean} [bufferAdvice] honour the server's `started.buffer_ms` (client default)
  * @property {boolean} [tap] record the played samples (`stream.tapped()`), for tests
  */
 
@@ -78,7 +80,9 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
 /**
  * Events of a {@link SpeechStream}.
  * @typedef {object} StreamEvents
- * @property {{token: string, slot: number, format: string, sampleRate: number}} started
+ * @property {{token: string, slot: number, format: string, sampleRate: number, bufferMs: number | null, expectedRtf: number | null}} started
+ *   `bufferMs`/`expectedRtf`: the server's advice (null from a server without it); playback waits for
+ *   the larger of `bufferMs` and `startThresholdMs`
  * @property {{text: string, seq: number, sample: number}} segment
  * @property {{seq: number, sample: number, bytes: number, last: boolean}} audio a frame arrived
  * @property {{timeToFirstAudioMs: number}} playing the first sample was rendered
@@ -102,6 +106,8 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {boolean} [autoReconnect] default true
  * @property {number} [startThresholdMs] jitter buffer start threshold (default 150)
  * @property {number} [maxThresholdMs] adaptive threshold bound (default 1500)
+ * @property {boolean} [bufferAdvice] start playback on the server's `started.buffer_ms` when it is larger
+ *   than `startThresholdMs` (default true; false: the fixed threshold alone)
  * @property {number} [maxStartRetries] retries of a `start` refused with retry_after_ms (default 3)
  * @property {() => number} [now] milliseconds clock (default performance.now)
  */
@@ -266,7 +272,12 @@ export class SpeechStream extends Emitter {
       this.fail('unsupported', `server started ${msg.format} at ${msg.sample_rate} Hz, asked for ${this.format} at ${this.sampleRate} Hz`);
       return;
     }
-    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate });
+    // The server's advice: audio to hold so that the whole stream plays without a stall.
+    const bufferMs = typeof msg.buffer_ms === 'number' && msg.buffer_ms >= 0 ? msg.buffer_ms : null;
+    const expectedRtf = typeof msg.expected_rtf === 'number' ? msg.expected_rtf : null;
+    const honour = this.options.bufferAdvice ?? this.client.bufferAdvice;
+    if (bufferMs !== null && honour) this.player?.setStartThreshold?.(bufferMs);
+    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate, bufferMs, expectedRtf });
   }
 
   /** @param {Record<string, any>} msg `resumed` */
@@ -395,6 +406,7 @@ export class TTSClient extends Emitter {
     this.backoff = new Backoff(options.reconnect);
     this.startThresholdMs = options.startThresholdMs ?? 150;
     this.maxThresholdMs = options.maxThresholdMs ?? 1500;
+    this.bufferAdvice = options.bufferAdvice ?? true;
     this.maxStartRetries = options.maxStartRetries ?? 3;
     this.now = options.now ?? (() => globalThis.performance.now());
     /** @type {Map<string, SpeechStream>} unfinished streams by id */

@@ -103,6 +103,10 @@ function fakeAudio({ opus = false } = {}) {
         stop() {
           player.stopped = true;
         },
+        thresholds: [],
+        setStartThreshold(ms) {
+          player.thresholds.push(ms);
+        },
         close() {},
       };
       players.push(player);
@@ -442,5 +446,35 @@ test('an API key rides on every connection URL, with the resume token after a dr
   ws1.drop();
   await until(() => FakeSocket.all.length === 2);
   assert.equal(FakeSocket.all[1].url, 'ws://tts.test:8080/v1/stream?api_key=sekrit&resume=tok');
+  client.close();
+});
+
+test("started's buffer_ms raises the player's start threshold; without it the client's own stays", async () => {
+  const { client, audio } = makeClient();
+  const advised = client.speak('Slow text.', { format: 'pcm16', id: 'a' });
+  const plain = client.speak('Old server.', { format: 'pcm16', id: 'b' });
+  const seen = [];
+  advised.on('started', (e) => seen.push(e));
+  plain.on('started', (e) => seen.push(e));
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 2);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, expected_rtf: 1.6, buffer_ms: 2400, buffer_ms_per_s: 375 });
+  ws.json({ type: 'started', id: 'b', slot: 1, stream: 't2', format: 'pcm16', sample_rate: 24000, frame_ms: 20 });
+  assert.deepEqual(audio.players[0].thresholds, [2400]);
+  assert.deepEqual(audio.players[1].thresholds, []); // v1's started: the client's startThresholdMs alone
+  assert.equal(audio.players[1].options.startThresholdMs, 150);
+  assert.deepEqual(seen.map((e) => [e.bufferMs, e.expectedRtf]), [[2400, 1.6], [null, null]]);
+  client.close();
+});
+
+test('bufferAdvice: false keeps the fixed threshold whatever the server advises', async () => {
+  const { client, audio } = makeClient(fakeAudio(), { bufferAdvice: false });
+  client.speak('Slow text.', { format: 'pcm16', id: 'a' });
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 1);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, expected_rtf: 1.6, buffer_ms: 2400, buffer_ms_per_s: 375 });
+  assert.deepEqual(audio.players[0].thresholds, []);
   client.close();
 });

@@ -23,6 +23,7 @@ from server.frontends.codes import code_of
 from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
 from server.frontends.messages import BadMessage
 from server.streams.items import Done, Frame, SegmentMark, Words
+from server.streams.pace import Advice
 from server.streams.request import SpeechRequest
 
 PROTOCOL_VERSION: Final = 1
@@ -211,10 +212,11 @@ def encode(message: dict[str, Any]) -> str:
     return _encoder.encode(message).decode("utf-8")
 
 
-def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
+def hello(info: ServerInfo, voices: tuple[str, ...], advice: Advice | None = None) -> str:
     """The first message on every connection (``weights`` and ``compute`` when the engine says them).
 
-    ``voices``: the voice names now (voices made from recordings come and go).
+    ``voices``: the voice names now (voices made from recordings come and go); ``advice``:
+    the pace a stream started now would have (absent until the server measured one).
     """
     message: dict[str, Any] = {
         "type": "hello",
@@ -232,15 +234,19 @@ def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
         message["weights"] = info.weights
     if info.compute:
         message["compute"] = dict(info.compute)
+    if advice is not None:
+        message |= advice.fields()
     return encode(message)
 
 
 def started(
-    name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int, seed: int | None = None
-) -> str:
+    name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int,
+    seed: int | None = None, advice: Advice | None = None,
+) -> str:  # fmt: skip
     """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first).
 
-    ``seed``: the stream's seed (the client's, or the one the server picked).
+    ``seed``: the stream's seed (the client's, or the one the server picked); ``advice``:
+    how much the listener should buffer (docs/protocol.md, "How much to buffer").
     """
     message: dict[str, Any] = {
         "type": "started",
@@ -255,6 +261,8 @@ def started(
         message["preskip"] = preskip
     if seed is not None:
         message["seed"] = seed
+    if advice is not None:
+        message |= advice.fields()
     return encode(message)
 
 
