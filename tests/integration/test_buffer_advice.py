@@ -79,9 +79,11 @@ async def test_the_advice_covers_a_stream_slower_than_real_time_and_the_client_h
     assert stream.buffer_ms is not None and 1000 * least <= stream.buffer_ms
     # The client held the audio until that much had arrived.
     assert _held_until(chunks, stream.buffer_ms).received_at <= first_yield
-    # A listener starting on it plays the whole stream without a stall; on 300 ms it stalls.
+    # On 300 ms a listener stalls: the audio can only arrive later than the nominal pace, never
+    # earlier, so this holds however loaded the machine is. (That the advice itself plays through
+    # is the bound above, on the nominal pace: asserting zero stalls on these wall-clock arrivals
+    # would make the test depend on the machine's load, so bench/results shows that part.)
     arrivals = [(c.received_at - chunks[0].received_at, len(c.data) / 2 / 24_000) for c in chunks]
-    assert simulate(arrivals, stream.buffer_ms / 1000).underruns == 0
     assert simulate(arrivals, 0.3).underruns > 0
 
 
