@@ -50,7 +50,7 @@ def counted(tiny_model_dir: Path) -> Iterator[tuple[Any, OpCount]]:
     )
     engine = load(tiny_model_dir, options, step_runner=lambda step: MarkedRunner(step, count))
     batch = engine._batch
-    batch._decode = count.mark(batch._decode, "decode")
+    batch.block.decode = count.mark(batch.block.decode, "decode")
     yield engine, count
     engine.close()
 
