@@ -21,17 +21,20 @@ SCHEDULE = (8, 16, 20, 20, 24, 24, 28, 32)
 CONTEXT, HOLDBACK = 16, 4
 
 
-def _decoders() -> tuple[StreamDecoder, StreamDecoder]:
-    make = lambda: StreamDecoder(None, context_tokens=CONTEXT, holdback_tokens=HOLDBACK)  # noqa: E731
+def _decoders(context: int, holdback: int) -> tuple[StreamDecoder, StreamDecoder]:
+    make = lambda: StreamDecoder(None, context_tokens=context, holdback_tokens=holdback)  # noqa: E731
     return make(), make()
 
 
+@pytest.mark.parametrize(
+    ("context", "holdback"), [(CONTEXT, HOLDBACK), (2, 12)], ids=["default", "long-holdback"]
+)
 def test_the_rings_windows_are_the_stream_decoders_plan_and_decode_to_the_same_bytes(
-    tiny_engine: Any,
+    tiny_engine: Any, context: int, holdback: int
 ) -> None:
     vocoder, hidden = tiny_engine._batch.vocoder, tiny_engine.hidden_size
     slots, block = 4, max(SCHEDULE)
-    capacity = ring_tokens(context_tokens=CONTEXT, holdback_tokens=HOLDBACK, block_schedule=SCHEDULE)
+    capacity = ring_tokens(context_tokens=context, holdback_tokens=holdback, block_schedule=SCHEDULE)
     ring = DecodeRing(slots, capacity, hidden, torch.device("cpu"))
     gen = torch.Generator().manual_seed(7)
     lengths = {0: 180, 1: 37, 2: 95, 3: 150}  # tokens each row makes before it ends
@@ -41,7 +44,7 @@ def test_the_rings_windows_are_the_stream_decoders_plan_and_decode_to_the_same_b
     for step in range(200):
         for slot, at in joins.items():
             if at == step:
-                host, counting = _decoders()
+                host, counting = _decoders(context, holdback)
                 rows[slot] = {"host": host, "ring": counting, "made": 0, "undecoded": 0, "decodes": 0}
                 ring.reset(slot)
         if not rows:
@@ -117,5 +120,5 @@ def test_the_ring_refuses_a_window_it_no_longer_holds() -> None:
 def test_the_ring_holds_the_longest_window_a_row_asks_for() -> None:
     assert ring_tokens(context_tokens=16, holdback_tokens=4, block_schedule=SCHEDULE) == 56
     # a hold-back longer than the first blocks: the early windows start at token 0
-    assert ring_tokens(context_tokens=0, holdback_tokens=30, block_schedule=(8,)) == 48
+    assert ring_tokens(context_tokens=0, holdback_tokens=30, block_schedule=(8,)) == 40
     assert ring_tokens(context_tokens=16, holdback_tokens=4, block_schedule=(4,)) == 32  # 25, rounded up

@@ -30,15 +30,14 @@ from server.engine.chattts.step.summary import upload
 
 
 def ring_tokens(*, context_tokens: int, holdback_tokens: int, block_schedule: tuple[int, ...]) -> int:
-    """Tokens a slot's ring holds: the longest window a row can ask for, with room to spare.
+    """Tokens a slot's ring holds: the longest window a row can ask for, rounded up to a multiple of 8.
 
-    A window starts ``context + holdback + 1`` tokens before the previous decode's end and
-    runs to the newest token, at most one block (the longest of the schedule) later. The first
-    windows start at token 0 and are shorter than the hold-back plus a block, however long the
-    hold-back. Rounded up to a multiple of 8.
+    After a decode at token n, ``n - holdback - 1`` whole tokens are emitted, so the next window
+    starts ``context`` tokens before that and runs to the newest token, at most one block (the
+    longest of the schedule) after n. Before anything is emitted the windows start at token 0
+    and end at most a block past the hold-back: shorter still.
     """
     longest = context_tokens + holdback_tokens + 1 + max(block_schedule)
-    longest = max(longest, holdback_tokens + 2 * max(block_schedule))
     return -(-longest // 8) * 8
 
 
