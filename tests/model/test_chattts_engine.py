@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.chattts.decode import StreamDecoder, samples_for_tokens
+from server.engine.chattts.decode import samples_for_tokens
 from server.engine.chattts.options import EngineOptions
 from server.engine_api import Engine, EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
@@ -192,17 +192,18 @@ def test_voices_and_speed(tiny_engine: Any) -> None:
     assert not np.array_equal(different.samples, seeded.samples)
 
 
-def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_stream_matches_one_shot_decode(tiny_engine: Any) -> None:
     """End to end on the engine path: the streamed audio vs a one-shot decode of the same states."""
     pushed: list[torch.Tensor] = []
-    original = StreamDecoder.push
 
-    def spy(self: StreamDecoder, hiddens: torch.Tensor) -> None:
-        pushed.append(hiddens.clone())
-        original(self, hiddens)
+    def tap(seq_id: int, codes: torch.Tensor, hiddens: torch.Tensor) -> None:
+        pushed.append(hiddens)
 
-    monkeypatch.setattr(StreamDecoder, "push", spy)
-    c = run_to_end(tiny_engine, [req(900, SENTENCES[0], max_tokens=120)])[900]
+    tiny_engine.token_tap = tap
+    try:
+        c = run_to_end(tiny_engine, [req(900, SENTENCES[0], max_tokens=120)])[900]
+    finally:
+        tiny_engine.token_tap = None
     ref = tiny_engine.decode_tokens(torch.cat(pushed))
     assert len(ref) == len(c.samples)
     err = c.samples - ref

@@ -49,6 +49,13 @@ class EngineOptions:
     that a read per token costs nothing and a command waits one token at most. A value given
     must divide every block of ``block_schedule``, so the decode windows stay as they are."""
 
+    overlap_quanta: bool | None = None
+    """Launch quantum n+1 before reading quantum n's summary (``--overlap-quanta``,
+    :mod:`server.engine.chattts.step.quanta`): the host's read and decisions run while the device
+    steps. A row that ended runs one more quantum frozen, and a waiting command ends the block
+    after the quantum in flight. ``None``: on on CUDA, off on the CPU, where a launch runs the
+    quantum before it returns, so there is nothing to overlap and only the extra quantum to pay."""
+
     default_voice: str = "seed:2"
     """What voice ``"default"`` is (``seed:N`` or a speaker string)."""
 
@@ -146,6 +153,12 @@ class EngineOptions:
         if device_type != "cuda":
             return 1
         return math.gcd(CUDA_QUANTUM, *self.block_schedule)
+
+    def overlap_for(self, device_type: str) -> bool:
+        """Whether quanta overlap on a device of type ``device_type``: ``overlap_quanta``, or its default."""
+        if self.overlap_quanta is not None:
+            return self.overlap_quanta
+        return device_type == "cuda"
 
     @property
     def transcript_tokens(self) -> int:
