@@ -140,11 +140,15 @@ class Connection:
         try:
             async with aclosing(attachment.stream.deliver(attachment.lease, index)) as runs:
                 async for items in runs:
-                    for item in items:
-                        data = self.protocol.render(attachment, item)
-                        await self._send(data)
-                        if isinstance(data, bytes):
-                            self._metrics.bytes_sent.inc(len(data))
+                    audio_bytes = 0
+                    try:
+                        for item in items:
+                            data = self.protocol.render(attachment, item)
+                            await self._send(data)
+                            if isinstance(data, bytes):
+                                audio_bytes += len(data)
+                    finally:  # counted once a run (a counter's lock a frame showed in profiles)
+                        self._metrics.bytes_sent.inc(audio_bytes)
         except (ConnectionClosed, SendAborted):
             return
         finally:
