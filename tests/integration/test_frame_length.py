@@ -8,6 +8,7 @@ is refused with an error naming the field and the choices; the connection stays 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -139,3 +140,24 @@ async def test_a_resume_request_with_a_bad_frame_ms_is_refused(make_app: Any) ->
     error = await recv_json(ws)
     assert error["code"] == "bad_request" and "frame_ms is one of 20, 40, 60" in error["message"]
     await ws.close()
+
+
+async def test_a_client_that_stops_reading_is_cut_by_the_send_timeout_alone(
+    make_app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run's sends share one deadline, pushed on as they progress: a send that waits is still cut.
+
+    ``--max-buffered-s`` and the memory budget are out of reach here, so only the send
+    deadline can end the connection.
+    """
+    flags = ("--fake-step-ms", "1", "--send-timeout-s", "0.5", "--max-buffered-s", "3600")
+    app = await make_app(*flags, "--replay-max-s", "3600", "--resume-ttl-s", "0")
+    # max_queue=1: the client library stops reading its socket once one message waits unread.
+    ws = await connect(url(app.port), compression=None, max_size=None, max_queue=1)
+    await start(ws, id="s", text=TEXT * 20, format="f32", sample_rate=48_000, frame_ms=60)
+    aborted = app.metrics.errors.labels(code="aborted")
+    async with asyncio.timeout(30):
+        while aborted._value.get() < 1:
+            await asyncio.sleep(0.05)
+    assert "send blocked for 0.5 s" in caplog.text
+    ws.transport.abort()
