@@ -105,6 +105,14 @@ def make_encoder(
     return encoder
 
 
+def frame_ms_of(encoder: FrameEncoder) -> int:
+    """The length of ``encoder``'s frames in ms (a stream's ``frame_ms``; 20 for the self-framing formats)."""
+    inner = encoder.inner if isinstance(encoder, ResamplingEncoder) else encoder
+    if isinstance(inner, PcmEncoder):
+        return inner.frame_ms
+    return inner.stream.frame_ms if isinstance(inner, OpusEncoder) else FRAME_MS
+
+
 def opus_preskip(encoder: FrameEncoder) -> int:
     """Decoded samples (at the output rate) a raw-Opus client drops at the stream start; 0 for other formats.
 
@@ -134,6 +142,7 @@ __all__ = [
     "ResamplingEncoder",
     "StreamResampler",
     "UnsupportedAudio",
+    "frame_ms_of",
     "make_encoder",
     "opus_preskip",
     "resampled_length",
