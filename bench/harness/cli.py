@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="OMP_WAIT_POLICY of started servers and baselines ('' = inherit); PASSIVE keeps idle OpenMP "
         "threads from spinning, which on a shared CPU makes torch steps up to 100x slower",
     )
+    load.add_argument(
+        "--frame-ms",
+        type=int,
+        default=20,
+        help="the start's frame_ms (20, 40, 60: longer frames, fewer messages; 20 is not sent)",
+    )
     load.add_argument("--settle-s", type=float, default=0.5, help="pause between scenarios")
     load.add_argument("--seed", type=int, default=1, help="arrivals and per-stream seeds")
     load.add_argument("--engine-concurrency", default="8", help="batch sizes for the engine-direct baseline")
@@ -268,8 +274,13 @@ class Harness:
         self, system: str, url: str, spec: LoadSpec, fmt: str, server: ServerProcess | None
     ) -> None:
         """One load scenario against ``url``."""
+        frames = {"frame_ms": self.args.frame_ms} if self.args.frame_ms != 20 else {}
         options = StreamOptions(
-            fmt=fmt, system=system, max_audio_s=self.args.max_audio_s, timeout_s=self.args.timeout_s
+            fmt=fmt,
+            system=system,
+            max_audio_s=self.args.max_audio_s,
+            timeout_s=self.args.timeout_s,
+            extra=frames,
         )
 
         async def runner(job: Any, stop: asyncio.Event) -> StreamRecord:

@@ -25,7 +25,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {(options: {sampleRate: number, startThresholdMs?: number, maxThresholdMs?: number, tap?: boolean,
  *   onEvent: (event: any) => void}) => Player} createPlayer
  * @property {(options: {sampleRate: number, onSamples: (s: Float32Array) => void,
- *   onError: (e: Error) => void}) => OpusDecoder} createOpusDecoder
+ *   onError: (e: Error) => void, frameMs?: number}) => OpusDecoder} createOpusDecoder
  */
 
 /**
@@ -43,6 +43,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {(frame: import('./protocol.js').Frame) => void} push
  * @property {(total: number) => Promise<void>} end
  * @property {() => void} close
+ * @property {(frameMs: number) => void} [setFrameMs] the packet length `started` announced
  */
 
 /**
@@ -57,6 +58,8 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {number} [temperature]
  * @property {number} [top_p]
  * @property {number} [top_k]
+ * @property {20|40|60} [frameMs] frame length asked of the server (client default: 60 ms, fewer
+ *   messages for the same audio; a server without `frame_ms` sends 20 ms and says so)
  * @property {string} [id] the stream id (default: generated)
  * @property {number} [startThresholdMs] jitter buffer start threshold (client default)
  * @property {boolean} [bufferAdvice] honour the server's `started.buffer_ms` (client default)
@@ -108,6 +111,8 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {number} [maxThresholdMs] adaptive threshold bound (default 1500)
  * @property {boolean} [bufferAdvice] start playback on the server's `started.buffer_ms` when it is larger
  *   than `startThresholdMs` (default true; false: the fixed threshold alone)
+ * @property {20|40|60} [frameMs] frame length streams ask for (default 60: a third of the messages of
+ *   20 ms frames, so less of the server's CPU a second of audio; bench/results/harness/frontend-cost-epyc-2core.md)
  * @property {number} [maxStartRetries] retries of a `start` refused with retry_after_ms (default 3)
  * @property {() => number} [now] milliseconds clock (default performance.now)
  */
@@ -130,6 +135,8 @@ export class SpeechStream extends Emitter {
     this.text = text;
     this.options = options;
     this.state = new StreamState(id);
+    /** @type {number} the frame length asked for (`frame_ms`) */
+    this.frameMs = options.frameMs ?? client.frameMs;
     /** @type {'opus' | 'pcm16' | 'f32' | null} the wire format, once decided */
     this.format = null;
     /** @type {number | null} */
@@ -231,6 +238,8 @@ export class SpeechStream extends Emitter {
       temperature: o.temperature,
       top_p: o.top_p,
       top_k: o.top_k,
+      // 20 is the server's default: not sent, so the start is the one clients always sent.
+      frame_ms: this.frameMs === 20 ? undefined : this.frameMs,
     });
     return JSON.stringify(this.state.start);
   }
@@ -250,6 +259,7 @@ export class SpeechStream extends Emitter {
     if (this.format === 'opus') {
       this.decoder = audio.createOpusDecoder({
         sampleRate: rate,
+        frameMs: this.frameMs,
         onSamples: (samples) => this.play(samples),
         onError: (err) => this.fail('decode_error', String(err?.message ?? err)),
       });
@@ -272,6 +282,8 @@ export class SpeechStream extends Emitter {
       this.fail('unsupported', `server started ${msg.format} at ${msg.sample_rate} Hz, asked for ${this.format} at ${this.sampleRate} Hz`);
       return;
     }
+    // The frame length the server uses (a server without `frame_ms` in `start` sends 20 ms).
+    this.decoder?.setFrameMs?.(typeof msg.frame_ms === 'number' ? msg.frame_ms : 20);
     // The server's advice: audio to hold so that the whole stream plays without a stall.
     const bufferMs = typeof msg.buffer_ms === 'number' && msg.buffer_ms >= 0 ? msg.buffer_ms : null;
     const expectedRtf = typeof msg.expected_rtf === 'number' ? msg.expected_rtf : null;
@@ -407,6 +419,7 @@ export class TTSClient extends Emitter {
     this.startThresholdMs = options.startThresholdMs ?? 150;
     this.maxThresholdMs = options.maxThresholdMs ?? 1500;
     this.bufferAdvice = options.bufferAdvice ?? true;
+    this.frameMs = options.frameMs ?? 60;
     this.maxStartRetries = options.maxStartRetries ?? 3;
     this.now = options.now ?? (() => globalThis.performance.now());
     /** @type {Map<string, SpeechStream>} unfinished streams by id */

@@ -61,6 +61,8 @@ class SpeechStream:
         self.sample_rate: int = int(start.get("sample_rate", 24_000))
         #: Opus only: decoded samples to drop at the start (``started.preskip``).
         self.preskip = 0
+        #: Each frame's length in ms (``started.frame_ms``; the last frame may be shorter).
+        self.frame_ms: int = int(start.get("frame_ms") or 20)
         #: The stream's seed (``started.seed``: the one asked for, or the server's pick).
         self.seed: int | None = None
         #: The server's advice (``started``; None from a server without it): audio to hold
@@ -271,6 +273,7 @@ class SpeechStream:
         self.format = str(message.get("format", self.format))
         self.sample_rate = int(message.get("sample_rate", self.sample_rate))
         self.preskip = int(message.get("preskip", 0))
+        self.frame_ms = _number(message.get("frame_ms"), int) or self.frame_ms
         self.buffer_ms = _number(message.get("buffer_ms"), int)
         self.expected_rtf = _number(message.get("expected_rtf"), float)
         self.buffer_ms_per_s = _number(message.get("buffer_ms_per_s"), int)

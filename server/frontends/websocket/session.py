@@ -182,7 +182,9 @@ class ConnectionProtocol:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
         advice = service.pace.advice(msg.text or None)  # the start's text: all of it, unless incremental
-        started = wire.started(msg.id, attachment.slot, *_audio_of(stream), stream.seed, advice)
+        started = wire.started(
+            msg.id, attachment.slot, *_audio_of(stream), stream.seed, advice, frame_ms=request.frame_ms
+        )
         return [Send(started), StartPump(attachment, stream.outbox.sent_index)]
 
     def _resume(self, msg: Resume) -> list[Action]:
