@@ -30,7 +30,8 @@ Bounded: a fixed number of points, a few floats; nothing grows with traffic.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from server.engine_api import speech_tokens
@@ -40,6 +41,10 @@ from server.metrics import Metrics
 MIN_STEPS = 4
 #: How many row counts keep their newest point (the oldest updated is forgotten first).
 MAX_POINTS = 16
+#: An advice reads the collectors at most this often: reading five histograms is a measurable
+#: share of a stream's start when hundreds start a second (bench/results/harness/frontend-cost-*),
+#: and a window this short holds too few steps to be a point anyway.
+SAMPLE_EVERY_S = 0.25
 #: The RTF is taken this much slower than measured: steps vary, and the core's own work
 #: between steps (commands, events) is not in a step's wall time.
 RTF_MARGIN = 1.15
@@ -171,9 +176,17 @@ class Advice:
 class Pace:
     """The engine's pace, from its measured steps; the buffer advice for a new stream."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        sample_every_s: float = SAMPLE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
         self._last = _totals(metrics)
+        self._sample_every_s, self._clock = sample_every_s, clock
+        self._sampled_at = -math.inf  # when an advice last read the collectors
         #: Seconds per token step by rows, newest last (insertion order is update order).
         self._points: dict[int, float] = {}
         self._audio_s_per_token: float | None = None
@@ -253,7 +266,9 @@ class Pace:
         ``text``: the stream's whole text (its length foreseen from it); None for text still
         to come (incremental) or ``hello``'s server-wide figure.
         """
-        self.sample()
+        if self._clock() - self._sampled_at >= self._sample_every_s:
+            self._sampled_at = self._clock()
+            self.sample()
         if not self.known:
             return None
         assert self._audio_s_per_token is not None

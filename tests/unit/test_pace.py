@@ -62,7 +62,7 @@ def test_nothing_measured_no_advice() -> None:
 
 def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> None:
     metrics = Metrics()
-    pace = Pace(metrics)
+    pace = Pace(metrics, sample_every_s=0)
     step(metrics, rows=4, seconds_per_token_step=1.6 * TOKEN_S)
     pace.calibrate(["x" * 100], audio_s=10.0)
     step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)  # the last window: one row
@@ -90,7 +90,7 @@ def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> 
 
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
     metrics = Metrics()
-    pace = Pace(metrics)
+    pace = Pace(metrics, sample_every_s=0)
     step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
     pace.calibrate(["x"], 0.1)
     step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
@@ -107,7 +107,7 @@ def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
 
 def test_the_start_up_line_says_the_pace_at_one_stream() -> None:
     metrics = Metrics()
-    pace = Pace(metrics)
+    pace = Pace(metrics, sample_every_s=0)
     assert "no step measured" in pace.expectation("fake")
     step(metrics, rows=1, seconds_per_token_step=1.5 * TOKEN_S)
     pace.calibrate(["x"], 0.1)
@@ -118,9 +118,24 @@ def test_the_start_up_line_says_the_pace_at_one_stream() -> None:
 
 def test_the_length_of_a_text_is_foreseen_from_the_wordier_phase_of_the_warm_up() -> None:
     metrics = Metrics()
-    pace = Pace(metrics)
+    pace = Pace(metrics, sample_every_s=0)
     step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
     pace.calibrate(["x" * 10], audio_s=1.2)  # 10 letters: 0.01 s a speech token
     step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
     pace.calibrate(["你好"], audio_s=0.24)  # 2 characters (48 units): 0.005 s, less
     assert pace.audio_s_per_speech_token == pytest.approx(0.01)  # the larger: never foreseen shorter
+
+
+def test_advices_read_the_collectors_at_most_every_sample_interval() -> None:
+    metrics = Metrics()
+    now = [100.0]
+    pace = Pace(metrics, sample_every_s=0.25, clock=lambda: now[0])
+    step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
+    pace.calibrate(["x"], 0.1)
+    assert pace.advice() is not None  # the first advice reads (an empty window)
+    step(metrics, rows=1, seconds_per_token_step=2.0 * TOKEN_S)  # the machine slowed
+    pace.advice()
+    assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 0.5)  # within the interval: not read again
+    now[0] += 0.25
+    pace.advice()
+    assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 2.0)  # the interval passed: the new window
