@@ -50,7 +50,7 @@ from server.engine.chattts.step.rows import Row, SlotLayout
 from server.engine.chattts.step.sampling import MIN_TEMPERATURE
 from server.engine.chattts.step.token_step import JOIN_FLOATS, JOIN_INTS, SlotState
 
-__all__ = ["BUDGET", "Prefill", "PrefillStep", "counts_for", "split"]
+__all__ = ["BUDGET", "EagerPrefill", "Prefill", "PrefillStep", "counts_for", "rows_per_call", "split"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ def counts_for(length: int, budget: int, most: int) -> tuple[int, ...]:
     while counts[-1] * 2 <= cap:
         counts.append(counts[-1] * 2)
     return tuple(counts)
+
+
+def rows_per_call(device: torch.device, dtype: torch.dtype, slots: int) -> int:
+    """The most rows one call holds: every slot, but one on CUDA in float32 (see the module docstring)."""
+    return 1 if device.type == "cuda" and dtype == torch.float32 else slots
 
 
 def split(rows: int, counts: tuple[int, ...]) -> list[int]:
@@ -207,8 +212,7 @@ class Prefill:
         """The prefill of a slot batch: ``budget`` ``None`` is :data:`BUDGET` for the device."""
         device = state.hidden.device
         tokens = budget or BUDGET.get(device.type, BUDGET["cuda"])
-        exact_only = device.type == "cuda" and dtype == torch.float32  # see the module docstring
-        most = 1 if exact_only else layout.slots
+        most = rows_per_call(device, dtype, layout.slots)
         rows = counts_for(layout.prefill_bucket, tokens, most)[-1]
         step = PrefillStep(
             llama,
