@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from server.engine.chattts.options import EngineOptions
 from server.engine.chattts.step.prefill import EagerPrefill, counts_for, rows_per_call, split
@@ -71,6 +72,28 @@ def engine(tiny_model_dir: Path) -> Iterator[Any]:
     eng.warmup()
     yield eng
     eng.close()
+
+
+class MaskIndexing(TorchDispatchMode):
+    """Indexing by a boolean mask: one ``aten::index`` on the CPU, a ``nonzero`` and a read on a GPU.
+
+    OpCount sees the sync only where the device dispatches it, so on the CPU this names the cause.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name, indices = func._schema.name, args[1] if len(args) > 1 else None
+        by_mask = isinstance(indices, list) and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices
+        )
+        if by_mask and name.startswith(("aten::index", "aten::_index_put")):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 class Calls:
@@ -164,11 +187,11 @@ def test_the_embedding_is_chattts_own_and_reads_nothing_back(engine: Any) -> Non
         engine.add(r)
     rows = [engine._seqs[r.seq_id] for r in requests]
     prefiller, chat = engine._batch.prefiller, engine._chat
-    count = OpCount()
+    count, masks = OpCount(), MaskIndexing()
     try:
         with torch.inference_mode():
             for length, members in prefiller.calls(rows):
-                with count.counting():
+                with count.counting(), masks:
                     prefiller._stage(members, list(range(len(members))), length)
                     got = prefiller.step.embed(len(members), length)
                 for i, row in enumerate(members):
@@ -183,6 +206,7 @@ def test_the_embedding_is_chattts_own_and_reads_nothing_back(engine: Any) -> Non
             engine.drop(r.seq_id)
     assert any(row.speaker is None for row in rows) and any(row.speaker is not None for row in rows)
     assert count.syncs == [], f"the prefill's embedding read back to the host: {count.syncs}"
+    assert masks.seen == [], f"the prefill's embedding indexes by a boolean mask: {masks.seen}"
 
 
 def test_the_prefill_step_is_what_a_cuda_graph_needs(engine: Any) -> None:
