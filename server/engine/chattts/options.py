@@ -75,8 +75,8 @@ class EngineOptions:
     prefill_tokens: int | None = None
     """Tokens (rows × padded length) one prefill call holds at most: a step's newcomers of one
     prompt bucket are prefilled together in calls of 1, 2, 4, ... rows within it (a longer prompt
-    runs alone). It bounds a call's activations. ``None``: 512 on the CPU, where longer calls
-    gain nothing, 8192 on CUDA (:mod:`server.engine.chattts.step.prefill`)."""
+    runs alone). It bounds a call's activations and the prefill shapes warm-up runs. ``None``:
+    512 on the CPU, 8192 on CUDA (:mod:`server.engine.chattts.step.prefill`)."""
 
     warmup_prompt_chars: int = 120
     """The longest segment the server sends (``--segment-max-chars``): warm-up prefills every

@@ -19,9 +19,12 @@ Why so (each is a test in ``tests/model/test_batched_prefill.py``):
 * Powers of two: the shapes stay a small closed set that warm-up meets (on the CPU every
   shape holds kernel memory for good, ``bench/results/studies/rss-shapes-epyc-2core.md``; on
   CUDA each is one graph).
-* At most ``budget`` tokens (count · length) a call: it bounds one call's activations, and on
-  the CPU it keeps long prompts alone, whose products are long enough to gain nothing from
-  company (``bench/results/studies/prefill-epyc-2core.md``).
+* At most ``budget`` tokens (count · length) a call: it bounds one call's activations and the
+  shapes warm-up runs. On the CPU it keeps prompts over 256 tokens alone: their products are
+  long already, and what batching saves there is the Python around each call (eight short
+  and medium newcomers: ``bench/results/studies/prefill-tiny-epyc-2core.md``,
+  ``prefill-full-epyc-2core.md``). The CPU's 512 and CUDA's 8192 are starting points, not
+  measured optima.
 * float32: a row's bits must not depend on who it is prefilled with (a seeded stream alone
   and among others gives the same tokens; failover regenerates exactly). On the CPU a batched
   float32 prefill gives bit for bit the keys, values and states of one at a time (a test
@@ -54,9 +57,8 @@ __all__ = ["BUDGET", "EagerPrefill", "Prefill", "PrefillStep", "counts_for", "ro
 
 log = logging.getLogger(__name__)
 
-#: Tokens (count · length) one prefill call holds at most, by device type, when none is given.
-#: On the CPU a prompt of 64 tokens already makes products long enough that company gains little;
-#: on CUDA a call is launch-bound until it holds thousands of tokens.
+#: Tokens (count · length) one prefill call holds at most, by device type, when none is given
+#: (starting points: on CUDA an eager prefill was launch-bound at 20-37 ms a prompt).
 BUDGET = {"cpu": 512, "cuda": 8192}
 #: The staged ``ints`` columns: the row's slot, whether it has a speaker embedding, then the
 #: columns :meth:`SlotState.join` takes (:data:`JOIN_INTS`; the first, ``lengths``, is the prompt's).
