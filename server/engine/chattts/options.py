@@ -79,6 +79,12 @@ class EngineOptions:
     """Prompts are padded up to a multiple of this many tokens, so the kernels see a few prefill
     shapes instead of one per prompt length (1: no padding)."""
 
+    prefill_tokens: int | None = None
+    """Tokens (rows × padded length) one prefill call holds at most: a step's newcomers of one
+    prompt bucket are prefilled together in calls of 1, 2, 4, ... rows within it (a longer prompt
+    runs alone). It bounds a call's activations and the prefill shapes warm-up runs. ``None``:
+    512 on the CPU, 8192 on CUDA (:mod:`server.engine.chattts.step.prefill`)."""
+
     warmup_prompt_chars: int = 120
     """The longest segment the server sends (``--segment-max-chars``): warm-up prefills every
     bucket up to it, and the KV slots are sized for it."""
@@ -136,6 +142,8 @@ class EngineOptions:
             )
         if self.prefill_bucket < 1:
             raise ValueError(f"prefill_bucket {self.prefill_bucket}: must be at least 1 (1: no padding)")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens {self.prefill_tokens}: must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch}: must be at least 1 (KV slots)")
         if self.segment_max_tokens < 1:

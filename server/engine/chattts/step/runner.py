@@ -1,9 +1,10 @@
-"""One engine step over KV-slot rows: the slot machinery, prefill into a slot, and its blocks.
+"""One engine step over KV-slot rows: the slot machinery, prefill into slots, and its blocks.
 
 :class:`SlotBatch` owns the static machinery (KV slots, slot state, token step and its
 runner, the decode ring and the batched vocoder) and runs one block for the rows it is given
 through :class:`.block.BlockLoop` (the block's quanta: :mod:`.quanta`; its decodes: the ring,
 :mod:`.ring`, and :mod:`server.engine.chattts.vocode`).
+Newcomers are prefilled first, together (:mod:`.prefill`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from server.engine.chattts.step.kv import (
     kv_dtype,
     length_buckets,
 )
+from server.engine.chattts.step.prefill import Prefill
 from server.engine.chattts.step.quanta import Interrupt, QuantumLoop
 from server.engine.chattts.step.ring import DecodeRing
 from server.engine.chattts.step.ring import ring_tokens as ring_tokens_for
@@ -50,6 +52,8 @@ class SlotBatch:
         llama: the loaded ``LlamaModel``.
         layout: sizes.
         head_w, code_w: ``(num_vq, V, hidden)`` float32 code heads and embeddings.
+        text_w: ``(text vocabulary, hidden)`` ChatTTS's text embedding (the prefill's).
+        speaker_token: the ``[spk_emb]`` id, where a prompt takes its speaker embedding.
         vocoder: the batched Decoder + Vocos.
         dtype, device: the Llama's.
         min_tokens: EOS is banned before this many tokens.
@@ -60,6 +64,7 @@ class SlotBatch:
         overlap: launch quantum n+1 before reading quantum n (:mod:`.quanta`).
         ring_tokens: the decode ring's tokens per slot (:func:`.ring.ring_tokens`; ``None``:
             for the decoder's default context and hold-back).
+        prefill_tokens: tokens one prefill call holds at most (``None``: the device's default).
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class SlotBatch:
         *,
         head_w: torch.Tensor,
         code_w: torch.Tensor,
+        text_w: torch.Tensor,
+        speaker_token: int,
         vocoder: BatchVocoder,
         dtype: torch.dtype,
         device: torch.device,
@@ -79,6 +86,7 @@ class SlotBatch:
         step_runner: RunnerFactory | None = None,
         overlap: bool = False,
         ring_tokens: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> None:
         self.layout = layout
         compiled = step_runner is None and compile_step and device.type == "cpu"
@@ -116,6 +124,18 @@ class SlotBatch:
             dtype=dtype,
             # compiled on the CPU: batches read each row only as far as it reaches, where it builds
             attend=decode_attention.step_attention if compiled and decode_attention.load() else None,
+        )
+        self.prefiller = Prefill.build(
+            llama,
+            self.kv,
+            self.state,
+            layout,
+            text_w=text_w,
+            code_w=code_w,
+            speaker_token=speaker_token,
+            dtype=dtype,
+            budget=prefill_tokens,
+            cuda_graphs=cuda_graphs and step_runner is None,
         )
         self.vocoder = vocoder
         self.summaries = SummaryReader(layout.slots, device)
@@ -186,6 +206,7 @@ class SlotBatch:
             "vocoder_dtype": str(self.vocoder.dtype).removeprefix("torch."),
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
             "length_buckets": ",".join(map(str, self.length_buckets)),
+            **self.prefiller.describe(),
         }
         if self.runner_fallback is not None:
             facts["token_step_fallback"] = self.runner_fallback
@@ -218,8 +239,8 @@ class SlotBatch:
         they are converted in place).
         ``context_tokens``, ``holdback_tokens``: the rows' decode windows (:class:`.decode.StreamDecoder`),
         which size the decode ring.
-        ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w``, ``vocoder``
-        and ``ring_tokens``.
+        ``options``: the constructor's keyword arguments but the weights, ``speaker_token``,
+        ``vocoder`` and ``ring_tokens``.
         """
         cfg, embed = llama.config, chat.embed
         heads, hidden = int(cfg.num_attention_heads), int(cfg.hidden_size)
@@ -240,6 +261,7 @@ class SlotBatch:
             # Stacked once: weight_norm would recompute each head's weight on every call.
             head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
             code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
+            text_w = embed.emb_text.weight.detach()
         # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
         cuda = options["device"].type == "cuda"
         waste = None if cuda else 0.25
@@ -248,58 +270,28 @@ class SlotBatch:
         ring = ring_tokens_for(
             context_tokens=context_tokens, holdback_tokens=holdback_tokens, block_schedule=block_schedule
         )
-        return cls(llama, layout, head_w=head_w, code_w=code_w, vocoder=vocoder, ring_tokens=ring, **options)
+        weights = {"head_w": head_w, "code_w": code_w, "text_w": text_w}
+        speaker = int(chat.tokenizer.spk_emb_ids)
+        return cls(
+            llama, layout, **weights, speaker_token=speaker, vocoder=vocoder, ring_tokens=ring, **options
+        )
 
     def prefill_length(self, prompt_tokens: int) -> int:
-        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        return self.prefiller.length(prompt_tokens)
 
-        Never past the last position of a slot; never shorter than the prompt itself.
-        """
-        bucket, last = self.layout.prefill_bucket, self.layout.max_len - 1
-        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, last))
-
-    def prefill(self, row: Row, emb: torch.Tensor) -> None:
-        """Run ``(1, n, hidden)`` prompt embeddings into a free slot, padded to their bucket.
+    def prefill(self, rows: list[Row]) -> None:
+        """Run newcomers' prompts into free slots: grouped by bucket, a few batched calls (:mod:`.prefill`).
 
         Padded because every distinct prefill length costs the CPU kernels (oneDNN primitives,
         allocator pools) memory that is never given back: one shape per prompt length made RSS
         climb by about 2 MiB per new length (``bench/results/studies/rss-shapes-epyc-2core.md``).
         """
-        real_length = int(emb.shape[1])
-        length = self.prefill_length(real_length)
-        if length > real_length:
-            emb = torch.cat([emb, emb.new_zeros((1, length - real_length, emb.shape[2]))], dim=1)
-        slot = self.kv.take()
-        try:
-            hidden = self.token_step.prefill(emb, slot, real_length)
-        except BaseException:
-            self.kv.give_back(slot)
-            raise
-        params = row.request.params
-        self.state.join(
-            slot,
-            hidden=hidden,
-            length=real_length,
-            max_tokens=row.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            key=row.key,
-            empty_code=self.layout.eos + 1,
-        )
-        row.slot, row.length = slot, real_length
+        self.prefiller.run(rows)
 
-    def warm_prefill(self, longest_prompt: int, device: torch.device) -> None:
-        """Prefill zeros once at every bucket length up to ``longest_prompt``'s, in a borrowed slot."""
-        bucket = self.layout.prefill_bucket
-        lengths = range(bucket, self.prefill_length(longest_prompt) + 1, bucket)
-        slot = self.kv.take()
-        try:
-            for length in lengths:
-                emb = torch.zeros((1, length, self.layout.hidden_size), device=device)
-                self.token_step.prefill(emb, slot, length)
-        finally:
-            self.kv.give_back(slot)
+    def warm_prefill(self, longest_prompt: int) -> None:
+        """Prefill once at every (rows, bucket length) up to ``longest_prompt``'s, in borrowed slots."""
+        self.prefiller.prepare(longest_prompt)
 
     def release(self, row: Row) -> None:
         """Free the row's slot (no other slot is touched) and its KV memory.
