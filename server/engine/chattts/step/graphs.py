@@ -57,6 +57,30 @@ class StepRunner(Protocol):
         ...
 
 
+def prepare_or_eager(
+    runner: StepRunner, shapes: Sequence[Shape], eager: Callable[[], StepRunner], *, what: str
+) -> tuple[StepRunner, str | None]:
+    """Prepare ``runner`` at every shape; if a capturing or compiling runner fails, ``eager()``'s.
+
+    A GPU user must never be stopped by code that has not run on their GPU before: the
+    failure is logged once, loudly (``<WHAT> FALLBACK``), and returned as the reason for the
+    engine's info (``hello``, ``/metrics``). An eager runner failing is a real fault and raises.
+    Returns the runner that is prepared and the reason it replaced ``runner`` (``None``: it did not).
+    """
+    try:
+        runner.prepare(shapes)
+        return runner, None
+    except Exception as exc:
+        if isinstance(runner, EagerRunner):
+            raise
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        reason = f"{runner.kind} failed at warm-up: {cause}"
+        log.error("%s FALLBACK: %s; running it eagerly (slower)", what.upper(), reason)
+        fallback = eager()
+        fallback.prepare(shapes)
+        return fallback, reason
+
+
 class EagerRunner:
     """Calls the step directly (the CPU, or ``--cuda-graphs off``)."""
 

@@ -46,7 +46,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, Shape, StepRunner
+from server.engine.chattts.step.graphs import (
+    CudaGraphRunner,
+    EagerRunner,
+    Shape,
+    StepRunner,
+    prepare_or_eager,
+)
 from server.engine.chattts.step.kv import SlotKV
 from server.engine.chattts.step.llama import forward_layers
 from server.engine.chattts.step.rows import Row, SlotLayout
@@ -330,16 +336,10 @@ class Prefill:
             # Each row a one-token prompt (its last real token at 0, within every length), no speaker.
             ints = [[slot, 0, 1, 1, 1, 0, 0] for slot in slots]
             self._upload(self.step.ints[: len(slots)], torch.tensor(ints, dtype=torch.long))
-            try:
-                self.runner.prepare(shapes)
-            except Exception as exc:
-                if isinstance(self.runner, EagerPrefill):
-                    raise
-                cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-                self.fallback = f"{self.runner.kind} failed at warm-up: {cause}"
-                log.error("PREFILL FALLBACK: %s; prefilling eagerly (slower)", self.fallback)
-                self.runner = EagerPrefill(self.step)
-                self.runner.prepare(shapes)
+            self.runner, reason = prepare_or_eager(
+                self.runner, shapes, lambda: EagerPrefill(self.step), what="prefill"
+            )
+            self.fallback = reason or self.fallback  # a later warm-up keeps the first reason
         finally:
             for slot in slots:
                 kv.give_back(slot)

@@ -18,7 +18,13 @@ import torch
 from server.engine.chattts.step import decode_attention
 from server.engine.chattts.step.block import BlockLoop, TokenTap
 from server.engine.chattts.step.compiled import CompiledRunner
-from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
+from server.engine.chattts.step.graphs import (
+    CudaGraphRunner,
+    EagerRunner,
+    StepFn,
+    StepRunner,
+    prepare_or_eager,
+)
 from server.engine.chattts.step.kv import (
     LENGTH_STEP,
     SlotKV,
@@ -172,24 +178,14 @@ class SlotBatch:
         self.runner_prepared = False
 
     def prepare_runner(self, shapes: list[tuple[int, int]]) -> None:
-        """Prepare the runner at every shape; if a capturing runner fails, step eagerly instead.
+        """Prepare the runner at every shape; a capturing runner that fails gives way to eager.
 
-        A GPU user must never be stopped by code that has not run on their GPU before:
-        the failure is logged once, loudly, and stated in the engine's info (``hello``,
-        ``/metrics``). The eager step failing too is a real fault and raises.
+        :func:`.graphs.prepare_or_eager` says why in the engine's info and one loud log line.
         """
-        try:
-            self.runner.prepare(shapes)
-        except Exception as exc:
-            if isinstance(self.runner, EagerRunner):
-                raise
-            cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-            self.runner_fallback = f"{self.runner.kind} failed at warm-up: {cause}"
-            log.error(
-                "TOKEN STEP FALLBACK: %s; running the token step eagerly (slower)", self.runner_fallback
-            )
-            self.runner = EagerRunner(self.token_step)
-            self.runner.prepare(shapes)
+        self.runner, reason = prepare_or_eager(
+            self.runner, shapes, lambda: EagerRunner(self.token_step), what="token step"
+        )
+        self.runner_fallback = reason or self.runner_fallback  # a later warm-up keeps the first reason
         self.runner_prepared = True
 
     def describe(self) -> dict[str, str]:
