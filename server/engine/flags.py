@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from server.config import OPENMP_VARIABLES, Settings
 from server.engine.chattts.options import EngineOptions
+from server.engine.weights.locate import cache_root
 
 
 def thread_environment(settings: Settings, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -28,6 +30,11 @@ def thread_environment(settings: Settings, env: Mapping[str, str] | None = None)
     if settings.omp_wait_policy == "passive":
         return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
     return {"OMP_WAIT_POLICY": settings.omp_wait_policy.upper()}
+
+
+def compiled_root(settings: Settings) -> Path:
+    """Where the compiled CPU step's artifacts live: ``<cache dir>/compiled`` (a volume in the images)."""
+    return cache_root(settings) / "compiled"
 
 
 def parse_cpus(text: str, available: frozenset[int]) -> frozenset[int]:
@@ -103,6 +110,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         segment_max_tokens=settings.segment_max_tokens,
         cuda_graphs=settings.cuda_graphs == "on",
         compile_step=settings.compile_step == "on",
+        compile_cache_dir=str(compiled_root(settings)),
         quantize=settings.quantize,
         vocoder_dtype=settings.vocoder_dtype,
         refine_max_tokens=settings.refine_max_tokens,
