@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from server.config import Settings
-from server.engine.flags import engine_options, parse_cpus, thread_environment
+from server.engine.flags import engine_options, inherited_wait_policy, parse_cpus, thread_environment
 from server.engine.weights.locate import cache_root, hub_cache, locate
 from server.errors import StartupError
 
@@ -36,6 +36,10 @@ def _available_cpus() -> frozenset[int]:
 
 def prepare_threads(settings: Settings) -> None:
     """Set what torch's threads read when torch loads (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``): not later."""
+    inherited = inherited_wait_policy(settings)
+    if inherited is not None:
+        costly, message = inherited
+        log.log(logging.WARNING if costly else logging.INFO, "%s", message)
     wanted = thread_environment(settings)
     if not wanted:
         return
