@@ -68,6 +68,7 @@ def test_the_machine_facts_name_this_torch_and_cpu() -> None:
     facts = machine_facts()
     assert facts["torch"] == torch.__version__
     assert facts["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert facts["cpu_flags"] == cpu_flags() and "python" in facts
     cpuinfo = "processor: 0\nflags\t\t: fpu sse4_2 avx2 avx512f avx512_vnni amx_tile fma lm\n"
     assert cpu_flags(cpuinfo) == "amx_tile avx2 avx512_vnni avx512f fma sse4_2"
 
@@ -83,7 +84,9 @@ def test_the_model_digest_follows_the_gpt_weights(tiny_model_dir: Path, tmp_path
         f.write(bytes([last[0] ^ 1]))
     assert model_digest(copy) != model_digest(tiny_model_dir)
     facts = step_facts(model_dir=copy, dtype=torch.bfloat16, quantize="w8a8")
-    assert facts["model"] == model_digest(copy) and facts["dtype"] == "bfloat16"
+    assert (
+        facts["model"] == model_digest(copy) and facts["dtype"] == "bfloat16" and facts["quantize"] == "w8a8"
+    )
 
 
 def _sealed(cache: CompileCache, facts: dict[str, str], *, at: Path | None = None) -> Path:
