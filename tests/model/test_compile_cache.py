@@ -110,7 +110,9 @@ def _open(cache: CompileCache, facts: dict[str, str], caplog: pytest.LogCaptureF
 
 def test_a_sealed_folder_is_used_as_it_is(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = CompileCache(tmp_path)
-    _sealed(cache, FACTS)
+    folder = _sealed(cache, FACTS)
+    (folder / "inductor" / "locks").mkdir()
+    (folder / "inductor" / "locks" / "c5md.lock").write_text("")  # inductor's, made as it runs
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     assert _open(cache, FACTS, caplog) == (True, 0)
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before  # put back after the block

@@ -45,8 +45,8 @@ MANIFEST = "manifest.json"
 GPT_FILES = ("config.json", "model.safetensors")
 #: /proc/cpuinfo flags whose presence changes the code inductor or FBGEMM generate.
 CPU_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "bmi", "vnni")
-#: Inductor's own lock files, written and removed while it runs: not artifacts.
-_NOT_ARTIFACTS = ("locks",)
+#: Inductor's lock files (``locks/*.lock``, written as it runs) and the manifest: not artifacts.
+_NOT_ARTIFACTS = {"locks", MANIFEST, f"{MANIFEST}.tmp"}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> str:
@@ -107,7 +107,7 @@ def _artifacts(folder: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     for path in sorted(folder.rglob("*")):
         relative = path.relative_to(folder)
-        if not path.is_file() or relative.parts[0] in _NOT_ARTIFACTS or str(relative) == MANIFEST:
+        if not path.is_file() or _NOT_ARTIFACTS & set(relative.parts) or path.suffix == ".lock":
             continue
         found[str(relative)] = file_digest(path)
     return found
@@ -161,8 +161,11 @@ class CompileCache:
             return f"unreadable manifest: {exc}"
         if not isinstance(manifest, dict) or manifest.get("facts") != dict(facts):
             return "built for another torch, CPU, model or step form"
-        if manifest.get("files") != _artifacts(folder):
-            return "its files differ from those sealed"
+        sealed, found = manifest.get("files"), _artifacts(folder)
+        if sealed != found:
+            sealed = sealed if isinstance(sealed, dict) else {}
+            differ = sorted(set(sealed.items()) ^ set(found.items()))
+            return f"its files differ from those sealed: {differ[0][0]}" if differ else "bad file list"
         return None
 
     @staticmethod
