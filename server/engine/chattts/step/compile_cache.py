@@ -20,7 +20,10 @@ What a warm folder saves, measured (``docs/operations.md``, "Run on a CPU"): ind
 compile and link of every graph (the FX-graph cache then hits 4 of 4). It does not save dynamo's
 tracing, AOTAutograd's, or the freezing passes: AOTAutograd's own cache refuses a frozen graph
 ("Cannot cache a graph with freezing enabled") and, unfrozen, one that enters autocast
-(transformers' rotary embedding does), so those run at every start.
+(transformers' rotary embedding does), so those run at every start. And it saves nothing for
+the bf16 compiled step (``--quantize none``): there freezing packs the projections into oneDNN
+tensors, and inductor's FX-graph cache bypasses such a graph (neither hit nor miss counted);
+the w8a8 step, whose products are FBGEMM calls, is cached.
 """
 
 from __future__ import annotations

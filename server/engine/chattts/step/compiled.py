@@ -121,11 +121,13 @@ class CompiledRunner:
         misses = counters["inductor"]["fxgraph_cache_miss"] - misses
         self._prepared = True
         log.info(
-            "compiled the token step (inductor) in %.1f s: %d of %d graphs' code from %s",
+            "compiled the token step (inductor) in %.1f s: %d of %d graphs' code from %s%s",
             time.perf_counter() - began,
             hits,
             hits + misses,
             where,
+            # bf16 projections frozen into oneDNN tensors: inductor's FX-graph cache bypasses them
+            "" if hits + misses else " (inductor's cache bypassed this step: a restart compiles it again)",
         )
 
     def _compile(self, shapes: Sequence[Shape]) -> None:
