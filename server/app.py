@@ -287,7 +287,7 @@ class App:
         if self.settings.warmup:
             await self.engine_client.wait_ready()
             try:
-                await warm_up(self.engine_client)
+                await warm_up(self.engine_client, self.service.pace)
             except ServiceError as exc:  # e.g. --max-queue 0: nothing could be served anyway
                 log.error("warm-up failed, /ready stays 503: %s", exc.message)
                 return

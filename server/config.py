@@ -115,6 +115,14 @@ class Settings:
         "block of --block-schedule; 0: 4 on CUDA (where a read per token costs as much as a step), "
         "1 on the CPU",
     )
+    overlap_quanta: str = _opt(
+        "auto",
+        "launch the engine's next quantum before reading the last one's results, so the host's work "
+        "runs while the device steps (a row that ended runs one idle quantum; a waiting start, "
+        "append or cancel waits for the quantum in flight); auto: on on CUDA, off on the CPU "
+        "(where a launch runs before it returns: nothing to overlap)",
+        choices=("auto", "on", "off"),
+    )
     prefill_bucket: int = _opt(
         16, "pad prompts up to a multiple of this many tokens: few kernel shapes, flat memory (1: off)"
     )

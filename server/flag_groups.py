@@ -44,8 +44,9 @@ GROUPS: tuple[FlagGroup, ...] = (
     _group(
         "Batching and scheduling",
         "how many streams share a step, how the work is cut into blocks, when new streams are refused",
-        "max_batch max_queue max_wait_ms block_schedule quantum_tokens segment_max_chars segment_max_tokens "
-        "segment_lookahead lookahead_lead_s prefill_bucket cache_bytes breaker_threshold breaker_probe_s",
+        "max_batch max_queue max_wait_ms block_schedule quantum_tokens overlap_quanta segment_max_chars "
+        "segment_max_tokens segment_lookahead lookahead_lead_s prefill_bucket cache_bytes breaker_threshold "
+        "breaker_probe_s",
     ),
     _group(
         "Text, refinement and voices",

@@ -90,7 +90,12 @@ def instrument_engine(profile: Profile) -> None:
         step.TokenStep._feed = profile.wrap("llama", step.TokenStep._feed)  # type: ignore[method-assign]
         step.sample_codes = profile.wrap("sampling", step.sample_codes)
         step.counter_uniforms = profile.wrap("sampling", step.counter_uniforms)
-        block.SlotBatch._decode = profile.wrap("decode", block.SlotBatch._decode)  # type: ignore[method-assign]
+        if hasattr(block.SlotBatch, "_decode"):  # before the block loop had its own module
+            block.SlotBatch._decode = profile.wrap("decode", block.SlotBatch._decode)
+        else:
+            from server.engine.chattts.step.block import BlockLoop
+
+            BlockLoop.decode = profile.wrap("decode", BlockLoop.decode)  # type: ignore[method-assign]
     except ImportError:  # before: row groups
         from server.engine.chattts.decode import StreamDecoder
 

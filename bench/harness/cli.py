@@ -107,12 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="OMP_WAIT_POLICY of started servers and baselines ('' = inherit); PASSIVE keeps idle OpenMP "
         "threads from spinning, which on a shared CPU makes torch steps up to 100x slower",
     )
+    load.add_argument(
+        "--frame-ms",
+        type=int,
+        default=20,
+        help="the start's frame_ms (20, 40, 60: longer frames, fewer messages; 20 is not sent)",
+    )
     load.add_argument("--settle-s", type=float, default=0.5, help="pause between scenarios")
     load.add_argument("--seed", type=int, default=1, help="arrivals and per-stream seeds")
     load.add_argument("--engine-concurrency", default="8", help="batch sizes for the engine-direct baseline")
     measure = p.add_argument_group("measurement and output")
     measure.add_argument(
         "--jitter-ms", default="100,300", help="jitter-buffer start thresholds of the listener"
+    )
+    measure.add_argument(
+        "--advice",
+        action="store_true",
+        help="also simulate a listener that honours the server's buffer advice (started.buffer_ms), "
+        "starting on max(--advice-floor-ms, the advice)",
+    )
+    measure.add_argument(
+        "--advice-floor-ms",
+        type=float,
+        default=300.0,
+        help="the advised listener's own buffer: all it holds when the server gives no advice",
     )
     measure.add_argument("--out", type=Path, help="output prefix (default bench/results/harness/run-<time>)")
     measure.add_argument("--title", default="", help="one line describing the run, for plots and the table")
@@ -151,6 +169,7 @@ class Harness:
             args.texts, sizes=tuple(_csv(args.text_sizes)), langs=tuple(_csv(args.text_langs))
         )
         self.jitter_ms = [float(x) for x in _csv(args.jitter_ms)]
+        self.advice_floor_ms: float | None = args.advice_floor_ms if args.advice else None
         self.formats = _csv(args.formats)
         self.baselines = _csv(args.baselines)
         self.loads = [
@@ -181,7 +200,7 @@ class Harness:
         cpu_s: float | None,
     ) -> dict[str, Any]:
         """Turn records into metrics and a summary; keep it for the results."""
-        metrics = [stream_metrics(r, self.jitter_ms) for r in records]
+        metrics = [stream_metrics(r, self.jitter_ms, self.advice_floor_ms) for r in records]
         summary = summarize(
             records, metrics, t_start=run.t_start, t_stop=run.t_stop, t_end=run.t_end, cpu_s=cpu_s
         )
@@ -255,8 +274,13 @@ class Harness:
         self, system: str, url: str, spec: LoadSpec, fmt: str, server: ServerProcess | None
     ) -> None:
         """One load scenario against ``url``."""
+        frames = {"frame_ms": self.args.frame_ms} if self.args.frame_ms != 20 else {}
         options = StreamOptions(
-            fmt=fmt, system=system, max_audio_s=self.args.max_audio_s, timeout_s=self.args.timeout_s
+            fmt=fmt,
+            system=system,
+            max_audio_s=self.args.max_audio_s,
+            timeout_s=self.args.timeout_s,
+            extra=frames,
         )
 
         async def runner(job: Any, stop: asyncio.Event) -> StreamRecord:

@@ -104,6 +104,7 @@ async def _converse(
         record.t_done = time.perf_counter()
         return
     record.sample_rate = stream.sample_rate
+    record.advice_ms = stream.buffer_ms
     decoder = make_decoder(options.fmt, options.sample_rate)
     offset = 0
     cap = int(options.max_audio_s * options.sample_rate)

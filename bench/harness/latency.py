@@ -37,6 +37,8 @@ class StreamRecord:
             such as ``connect_failed``, ``connection_lost``, ``timeout``).
         capped: the harness cancelled the stream at its audio-length cap.
         cut: the harness cancelled the stream at the end of the scenario.
+        advice_ms: the server's advice in ``started`` (``buffer_ms``: audio to hold before
+            playing so the stream never stalls); ``None`` from a server without it.
     """
 
     job: int
@@ -55,6 +57,7 @@ class StreamRecord:
     errors: list[str] = field(default_factory=list)
     capped: bool = False
     cut: bool = False
+    advice_ms: float | None = None
 
     @property
     def samples(self) -> int:
@@ -71,7 +74,9 @@ def _gaps(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
-def stream_metrics(record: StreamRecord, jitter_ms: Sequence[float]) -> dict[str, Any]:
+def stream_metrics(
+    record: StreamRecord, jitter_ms: Sequence[float], advice_floor_ms: float | None = None
+) -> dict[str, Any]:
     """The per-stream metrics (seconds; ``None`` where undefined).
 
     Keys: ``ttfa_s`` (first audio frame with samples), ``ttfs_s`` (frame
@@ -79,7 +84,9 @@ def stream_metrics(record: StreamRecord, jitter_ms: Sequence[float]) -> dict[str
     ``gen_s`` (request to last frame), ``rtf`` (``gen_s / audio_s``, below 1
     is faster than real time), ``max_gap_s`` and ``gaps_s`` (between
     consecutive frames), ``connect_s`` and, per jitter threshold,
-    ``listener`` results.
+    ``listener`` results. With ``advice_floor_ms`` also ``advised``: a listener that honours
+    the server's advice, starting on ``max(advice_floor_ms, advice_ms)`` (on the floor alone
+    when the server gave none, as client_py and client_js do).
     """
     t0 = record.t_send
     audio = [(t, n) for t, n in record.frames if n > 0]
@@ -90,7 +97,20 @@ def stream_metrics(record: StreamRecord, jitter_ms: Sequence[float]) -> dict[str
     gen_s = (times[-1] - t0) if times else None
     arrivals = [(t - t0, n / rate) for t, n in record.frames]
     listeners = [simulate(arrivals, ms / 1000.0) for ms in jitter_ms] if audio else []
-    return {
+    extra: dict[str, Any] = {}
+    if advice_floor_ms is not None:
+        threshold_ms = max(advice_floor_ms, record.advice_ms or 0.0)
+        advised = simulate(arrivals, threshold_ms / 1000.0) if audio else None
+        extra["advised"] = None
+        if advised is not None:
+            extra["advised"] = {
+                "threshold_ms": threshold_ms,
+                "advice_ms": record.advice_ms,
+                "start_s": advised.start_s,
+                "underruns": advised.underruns,
+                "stall_s": advised.stall_s,
+            }
+    return extra | {
         "job": record.job,
         "system": record.system,
         "format": record.fmt,

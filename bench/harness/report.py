@@ -59,11 +59,18 @@ def markdown(results: dict[str, Any]) -> str:
     """A table with one row per scenario, then the issue #4 ratios."""
     jitter = results["settings"]["jitter_ms"]
     j = jitter[0] if jitter else None
+    advice = bool(results["settings"].get("advice"))
     head = (
         "| system | load | format | streams (ok/err/cut) | TTFA p50 / p90 / p99 / max (s) "
         "| first non-silent p50 / p90 (s) "
         "| RTF p50 / p90 | max gap p90 (s) "
         + (f"| underrun streams @{j:g} ms, stall p90 (s) " if j is not None else "")
+        + (
+            "| advised listener: underrun streams, stall p90 (s), start p50 / p90 (s) "
+            "vs fixed start p50 / p90 (s), buffer p50 / max (ms) "
+            if advice
+            else ""
+        )
         + "| audio-s per wall-s (steady) | audio-s per CPU-s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -87,6 +94,8 @@ def markdown(results: dict[str, Any]) -> str:
                 if lst
                 else "–"
             )
+        if advice:
+            cells.append(_advised(m, j))
         cells.append(_fmt(m["throughput"]["steady_audio_s_per_wall_s"]))
         cells.append(_fmt(m["throughput"]["audio_s_per_cpu_s"]))
         lines.append("| " + " | ".join(cells) + " |")
@@ -115,3 +124,17 @@ def markdown(results: dict[str, Any]) -> str:
     for skip in results.get("skipped", []):
         lines.append(f"\nSkipped: {skip['what']}: {skip['why']}")
     return "\n".join(lines) + "\n"
+
+
+def _advised(summary: dict[str, Any], fixed_ms: float | None) -> str:
+    """The advised listener's cell: its stalls and start, beside the fixed buffer's start."""
+    a = summary.get("advised")
+    if not a:
+        return "–"
+    fixed = next((x for x in summary["listener"] if x["threshold_ms"] == fixed_ms), None)
+    fixed_start = " / ".join(_fmt(fixed["start_s"][k]) for k in ("p50", "p90")) if fixed else "–"
+    return (
+        f"{a['streams_with_underruns']}/{summary['streams']}, {_fmt(a['stall_s']['p90'])}, "
+        f"{' / '.join(_fmt(a['start_s'][k]) for k in ('p50', 'p90'))} vs {fixed_start}, "
+        f"{_fmt(a['threshold_ms']['p50'], 0)} / {_fmt(a['threshold_ms']['max'], 0)}"
+    )

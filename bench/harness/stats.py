@@ -68,7 +68,17 @@ def summarize(
                 "stall_s": distribution(e["stall_s"] for e in runs),
             }
         )
-    return {
+    advised = [m["advised"] for m in metrics if m.get("advised")]
+    extra: dict[str, Any] = {}
+    if any("advised" in m for m in metrics):
+        extra["advised"] = {
+            "threshold_ms": distribution(e["threshold_ms"] for e in advised),
+            "start_s": distribution(e["start_s"] for e in advised),
+            "underruns_per_stream": distribution(e["underruns"] for e in advised),
+            "streams_with_underruns": sum(1 for e in advised if e["underruns"]),
+            "stall_s": distribution(e["stall_s"] for e in advised),
+        }
+    return extra | {
         "streams": len(records),
         "ok": sum(1 for r in records if r.ok),
         "capped": sum(1 for r in records if r.capped),

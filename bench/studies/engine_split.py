@@ -7,7 +7,7 @@
 The engine stepped in-process exactly as :mod:`bench.baselines.engine` steps it (a closed loop of
 N jobs, each finished job replaced at once), with three of its calls timed from the outside:
 the token step (``runner.run``: one token for every row, compiled, captured or eager, timed
-per (batch, attention length) shape), the batched Decoder + Vocos call (``SlotBatch._decode``)
+per (batch, attention length) shape), the batched Decoder + Vocos call (``BlockLoop.decode``)
 and the prompt prefill (``ChatTTSEngine._prefill``). What is left of the wall time is the
 block's bookkeeping, sampling summaries and Python. Nothing is wrapped inside the compiled
 step, so the compiled graphs are the ones serving runs. One warm scenario of ``--warm-s``
@@ -70,7 +70,7 @@ def instrument(engine: Any, timer: PartTimer) -> None:
     """Time this engine's token step, decode and prefill (instance attributes: nothing global)."""
     batch = engine._batch
     batch.runner.run = timer.wrap_step(batch.runner.run)
-    batch._decode = timed(timer.seconds, "decode", batch._decode)
+    batch.block.decode = timed(timer.seconds, "decode", batch.block.decode)
     engine._prefill = timed(timer.seconds, "prefill", engine._prefill)
 
 

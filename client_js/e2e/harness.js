@@ -12,7 +12,7 @@ function toBase64(samples) {
 
 /**
  * @param {{url: string, text: string, format?: string, seed?: number, sampleRate?: number,
- *   startThresholdMs?: number, dropAfterFrames?: number[], timeoutMs?: number}} spec
+ *   startThresholdMs?: number, bufferAdvice?: boolean, dropAfterFrames?: number[], timeoutMs?: number}} spec
  */
 window.runScenario = async (spec) => {
   const client = new TTSClient({ url: spec.url, reconnect: { initialMs: 100, maxMs: 1000 } });
@@ -25,6 +25,7 @@ window.runScenario = async (spec) => {
     seed: spec.seed,
     sampleRate: spec.sampleRate,
     startThresholdMs: spec.startThresholdMs,
+    bufferAdvice: spec.bufferAdvice,
     tap: true,
   });
   const drops = [...(spec.dropAfterFrames ?? [])];

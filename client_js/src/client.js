@@ -25,7 +25,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {(options: {sampleRate: number, startThresholdMs?: number, maxThresholdMs?: number, tap?: boolean,
  *   onEvent: (event: any) => void}) => Player} createPlayer
  * @property {(options: {sampleRate: number, onSamples: (s: Float32Array) => void,
- *   onError: (e: Error) => void}) => OpusDecoder} createOpusDecoder
+ *   onError: (e: Error) => void, frameMs?: number}) => OpusDecoder} createOpusDecoder
  */
 
 /**
@@ -35,6 +35,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {() => void} stop
  * @property {() => void} close
  * @property {() => Promise<Float32Array>} [tapped]
+ * @property {(ms: number) => void} [setStartThreshold] raise the start threshold (the server's advice)
  */
 
 /**
@@ -42,6 +43,7 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {(frame: import('./protocol.js').Frame) => void} push
  * @property {(total: number) => Promise<void>} end
  * @property {() => void} close
+ * @property {(frameMs: number) => void} [setFrameMs] the packet length `started` announced
  */
 
 /**
@@ -56,8 +58,11 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {number} [temperature]
  * @property {number} [top_p]
  * @property {number} [top_k]
+ * @property {20|40|60} [frameMs] frame length asked of the server (client default: 60 ms, fewer
+ *   messages for the same audio; a server without `frame_ms` sends 20 ms and says so)
  * @property {string} [id] the stream id (default: generated)
  * @property {number} [startThresholdMs] jitter buffer start threshold (client default)
+ * @property {boolean} [bufferAdvice] honour the server's `started.buffer_ms` (client default)
  * @property {boolean} [tap] record the played samples (`stream.tapped()`), for tests
  */
 
@@ -78,7 +83,9 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
 /**
  * Events of a {@link SpeechStream}.
  * @typedef {object} StreamEvents
- * @property {{token: string, slot: number, format: string, sampleRate: number}} started
+ * @property {{token: string, slot: number, format: string, sampleRate: number, bufferMs: number | null, expectedRtf: number | null}} started
+ *   `bufferMs`/`expectedRtf`: the server's advice (null from a server without it); playback waits for
+ *   the larger of `bufferMs` and `startThresholdMs`
  * @property {{text: string, seq: number, sample: number}} segment
  * @property {{seq: number, sample: number, bytes: number, last: boolean}} audio a frame arrived
  * @property {{timeToFirstAudioMs: number}} playing the first sample was rendered
@@ -102,6 +109,10 @@ import { Backoff, StreamState, reconnectPlan } from './stream-state.js';
  * @property {boolean} [autoReconnect] default true
  * @property {number} [startThresholdMs] jitter buffer start threshold (default 150)
  * @property {number} [maxThresholdMs] adaptive threshold bound (default 1500)
+ * @property {boolean} [bufferAdvice] start playback on the server's `started.buffer_ms` when it is larger
+ *   than `startThresholdMs` (default true; false: the fixed threshold alone)
+ * @property {20|40|60} [frameMs] frame length streams ask for (default 60: a third of the messages of
+ *   20 ms frames, so less of the server's CPU a second of audio; bench/results/harness/frontend-cost-epyc-2core.md)
  * @property {number} [maxStartRetries] retries of a `start` refused with retry_after_ms (default 3)
  * @property {() => number} [now] milliseconds clock (default performance.now)
  */
@@ -124,6 +135,8 @@ export class SpeechStream extends Emitter {
     this.text = text;
     this.options = options;
     this.state = new StreamState(id);
+    /** @type {number} the frame length asked for (`frame_ms`) */
+    this.frameMs = options.frameMs ?? client.frameMs;
     /** @type {'opus' | 'pcm16' | 'f32' | null} the wire format, once decided */
     this.format = null;
     /** @type {number | null} */
@@ -225,6 +238,8 @@ export class SpeechStream extends Emitter {
       temperature: o.temperature,
       top_p: o.top_p,
       top_k: o.top_k,
+      // 20 is the server's default: not sent, so the start is the one clients always sent.
+      frame_ms: this.frameMs === 20 ? undefined : this.frameMs,
     });
     return JSON.stringify(this.state.start);
   }
@@ -244,6 +259,7 @@ export class SpeechStream extends Emitter {
     if (this.format === 'opus') {
       this.decoder = audio.createOpusDecoder({
         sampleRate: rate,
+        frameMs: this.frameMs,
         onSamples: (samples) => this.play(samples),
         onError: (err) => this.fail('decode_error', String(err?.message ?? err)),
       });
@@ -266,7 +282,14 @@ export class SpeechStream extends Emitter {
       this.fail('unsupported', `server started ${msg.format} at ${msg.sample_rate} Hz, asked for ${this.format} at ${this.sampleRate} Hz`);
       return;
     }
-    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate });
+    // The frame length the server uses (a server without `frame_ms` in `start` sends 20 ms).
+    this.decoder?.setFrameMs?.(typeof msg.frame_ms === 'number' ? msg.frame_ms : 20);
+    // The server's advice: audio to hold so that the whole stream plays without a stall.
+    const bufferMs = typeof msg.buffer_ms === 'number' && msg.buffer_ms >= 0 ? msg.buffer_ms : null;
+    const expectedRtf = typeof msg.expected_rtf === 'number' ? msg.expected_rtf : null;
+    const honour = this.options.bufferAdvice ?? this.client.bufferAdvice;
+    if (bufferMs !== null && honour) this.player?.setStartThreshold?.(bufferMs);
+    this.emit('started', { token: msg.stream, slot: msg.slot, format: msg.format, sampleRate: msg.sample_rate, bufferMs, expectedRtf });
   }
 
   /** @param {Record<string, any>} msg `resumed` */
@@ -395,6 +418,8 @@ export class TTSClient extends Emitter {
     this.backoff = new Backoff(options.reconnect);
     this.startThresholdMs = options.startThresholdMs ?? 150;
     this.maxThresholdMs = options.maxThresholdMs ?? 1500;
+    this.bufferAdvice = options.bufferAdvice ?? true;
+    this.frameMs = options.frameMs ?? 60;
     this.maxStartRetries = options.maxStartRetries ?? 3;
     this.now = options.now ?? (() => globalThis.performance.now());
     /** @type {Map<string, SpeechStream>} unfinished streams by id */

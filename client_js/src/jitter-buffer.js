@@ -99,6 +99,16 @@ export class JitterBuffer {
     this.received = 0; // stream samples queued in total
   }
 
+  /**
+   * Raise the start threshold (the server's advice: `started.buffer_ms`); never lowers it.
+   * While buffering, playback then waits for that much (or the stream's end).
+   * @param {number} threshold samples
+   */
+  raiseThreshold(threshold) {
+    this.threshold = Math.max(this.threshold, Math.floor(threshold));
+    this.maxThreshold = Math.max(this.maxThreshold, this.threshold);
+  }
+
   /** @returns {number} samples queued and not yet rendered */
   get buffered() {
     return this.ring.size;

@@ -4,7 +4,8 @@
 // Server rule (server/audio/opus.py): decode every packet in order; the first L decoded samples
 // (the encoder lookahead, "pre-skip": 156 at 24 kHz, 312 at 48 kHz, 104 at 16 kHz) are not
 // stream audio; packet k carries the stream interval [k·F − L, (k+1)·F − L) ∩ [0, N), and its
-// header `sample` is max(0, k·F − L). Only the first and the last packet are partial.
+// header `sample` is max(0, k·F − L). Only the first and the last packet are partial. F is the
+// stream's packet length (`started.frame_ms`: 20 ms unless the start asked for 40 or 60).
 
 /** The libopus encoder lookahead (6.5 ms) in samples at `sampleRate`. */
 export function defaultPreskip(sampleRate) {
@@ -17,10 +18,11 @@ export class OpusTimeline {
    * @param {object} options
    * @param {number} options.sampleRate the stream's (and the decoder's output) rate
    * @param {number} [options.preskip] decoded samples to drop at the start (default: 6.5 ms)
+   * @param {number} [options.frameMs] each packet's length (default 20; `setFrameMs` once `started` says)
    */
-  constructor({ sampleRate, preskip }) {
+  constructor({ sampleRate, preskip, frameMs }) {
     this.sampleRate = sampleRate;
-    this.frameSamples = sampleRate / 50;
+    this.frameSamples = (sampleRate * (frameMs ?? 20)) / 1000;
     this.preskip = preskip ?? defaultPreskip(sampleRate);
     this.preskipConfirmed = preskip !== undefined;
     /** @type {Map<number, {sample: number, last: boolean}>} header facts by seq */
@@ -30,6 +32,14 @@ export class OpusTimeline {
     this.emitted = 0; // stream samples released so far
     /** @type {number | null} the stream's total samples (`done.samples`) */
     this.total = null;
+  }
+
+  /**
+   * The stream's packet length, from `started.frame_ms` (before its first packet arrives).
+   * @param {number} frameMs
+   */
+  setFrameMs(frameMs) {
+    this.frameSamples = (this.sampleRate * frameMs) / 1000;
   }
 
   /**
@@ -125,10 +135,11 @@ export class WebCodecsOpusDecoder {
    * @param {number} options.sampleRate the stream's rate (must equal the decoder output: 48000)
    * @param {(samples: Float32Array) => void} options.onSamples stream samples, in order
    * @param {(error: Error) => void} options.onError
+   * @param {number} [options.frameMs] the packet length asked for (`setFrameMs` when `started` says)
    */
-  constructor({ sampleRate, onSamples, onError }) {
+  constructor({ sampleRate, onSamples, onError, frameMs }) {
     this.sampleRate = sampleRate;
-    this.timeline = new OpusTimeline({ sampleRate });
+    this.timeline = new OpusTimeline({ sampleRate, frameMs });
     this.onSamples = onSamples;
     this.onError = onError;
     this.closed = false;
@@ -171,6 +182,11 @@ export class WebCodecsOpusDecoder {
     } finally {
       data.close();
     }
+  }
+
+  /** @param {number} frameMs the packet length `started` announced */
+  setFrameMs(frameMs) {
+    this.timeline.setFrameMs(frameMs);
   }
 
   /**

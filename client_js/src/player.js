@@ -62,6 +62,7 @@ export class StreamPlayer {
     this.backlog = [];
     this.ended = false;
     this.stopped = false;
+    this.pendingThreshold = 0; // samples: an advice that came before the node existed
     /** @type {AudioWorkletNode | null} */
     this.node = null;
     /** @type {AudioWorkletNode | null} */
@@ -72,7 +73,7 @@ export class StreamPlayer {
     this.onFlushed = null;
     this.ready = ready.then(() => {
       if (this.stopped) return;
-      const threshold = Math.round((sampleRate * startThresholdMs) / 1000);
+      const threshold = Math.max(this.pendingThreshold, Math.round((sampleRate * startThresholdMs) / 1000));
       const node = new AudioWorkletNode(context, 'tts-player', {
         numberOfInputs: 0,
         numberOfOutputs: 2,
@@ -121,6 +122,17 @@ export class StreamPlayer {
     if (this.stopped || this.ended || samples.length === 0) return;
     if (this.node) this.post(samples);
     else this.backlog.push(samples.slice());
+  }
+
+  /**
+   * Start playback only once this much audio is buffered (the server's `started.buffer_ms`);
+   * raises the start threshold, never lowers it.
+   * @param {number} ms
+   */
+  setStartThreshold(ms) {
+    const threshold = Math.round((this.sampleRate * ms) / 1000);
+    if (this.node) this.node.port.postMessage({ type: 'threshold', threshold });
+    else this.pendingThreshold = Math.max(this.pendingThreshold, threshold);
   }
 
   /** No more samples: play out the buffer. */

@@ -112,7 +112,7 @@ export const PCM_BYTES = Object.freeze({ pcm16: 2, f32: 4 });
  * @property {number} [top_k]
  */
 
-const START_FIELDS = ['voice', 'speed', 'format', 'sample_rate', 'seed', 'temperature', 'top_p', 'top_k'];
+const START_FIELDS = ['voice', 'speed', 'format', 'sample_rate', 'seed', 'temperature', 'top_p', 'top_k', 'frame_ms'];
 
 /**
  * The `start` message as an object; undefined options are left out (the server's defaults apply).

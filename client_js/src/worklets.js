@@ -31,6 +31,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
       if (msg.type === 'push') this.jb.push(msg.samples);
       else if (msg.type === 'end') this.jb.end();
       else if (msg.type === 'stop') this.jb.stop();
+      else if (msg.type === 'threshold') this.jb.raiseThreshold(msg.threshold);
     };
   }
 

@@ -103,6 +103,10 @@ function fakeAudio({ opus = false } = {}) {
         stop() {
           player.stopped = true;
         },
+        thresholds: [],
+        setStartThreshold(ms) {
+          player.thresholds.push(ms);
+        },
         close() {},
       };
       players.push(player);
@@ -153,7 +157,7 @@ test('speak: start after hello, frames routed by slot, done then played out', as
   assert.deepEqual(ws.sent, []); // nothing before hello
   ws.json(HELLO);
   await until(() => ws.sent.length === 1);
-  assert.deepEqual(ws.sent[0], { type: 'start', id: 'a', text: 'Hello.', voice: 'default', format: 'pcm16', sample_rate: 24000, seed: 1 });
+  assert.deepEqual(ws.sent[0], { type: 'start', id: 'a', text: 'Hello.', voice: 'default', format: 'pcm16', sample_rate: 24000, seed: 1, frame_ms: 60 });
   ws.json({ type: 'started', id: 'a', slot: 2, stream: 'tok', format: 'pcm16', sample_rate: 24000, frame_ms: 20 });
   ws.json({ type: 'segment', id: 'a', slot: 2, seq: 0, sample: 0, text: 'Hello.' });
   ws.frame({ slot: 2, seq: 0, flags: FLAG_SEGMENT_START });
@@ -230,7 +234,7 @@ test('a resume carries the start request, the seed and the segment; a regenerate
     type: 'resume',
     stream: 't1',
     after_seq: 3,
-    request: { type: 'start', id: 'a', text: 'One. Two.', format: 'pcm16', sample_rate: 24000, seed: 4242 },
+    request: { type: 'start', id: 'a', text: 'One. Two.', format: 'pcm16', sample_rate: 24000, seed: 4242, frame_ms: 60 },
     segment: 1,
     segment_sample: 1500,
   });
@@ -319,7 +323,7 @@ test('a stream the server never acknowledged is started again on the new connect
   assert.equal(ws2.url, 'ws://tts.test:8080/v1/stream'); // no token to route by
   ws2.json(HELLO);
   await until(() => ws2.sent.length === 1);
-  assert.deepEqual(ws2.sent[0], { type: 'start', id: 'a', text: 'x', format: 'f32', sample_rate: 16000 });
+  assert.deepEqual(ws2.sent[0], { type: 'start', id: 'a', text: 'x', format: 'f32', sample_rate: 16000, frame_ms: 60 });
   client.close();
 });
 
@@ -443,4 +447,54 @@ test('an API key rides on every connection URL, with the resume token after a dr
   await until(() => FakeSocket.all.length === 2);
   assert.equal(FakeSocket.all[1].url, 'ws://tts.test:8080/v1/stream?api_key=sekrit&resume=tok');
   client.close();
+});
+
+test("started's buffer_ms raises the player's start threshold; without it the client's own stays", async () => {
+  const { client, audio } = makeClient();
+  const advised = client.speak('Slow text.', { format: 'pcm16', id: 'a' });
+  const plain = client.speak('Old server.', { format: 'pcm16', id: 'b' });
+  const seen = [];
+  advised.on('started', (e) => seen.push(e));
+  plain.on('started', (e) => seen.push(e));
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 2);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, expected_rtf: 1.6, buffer_ms: 2400, buffer_ms_per_s: 375 });
+  ws.json({ type: 'started', id: 'b', slot: 1, stream: 't2', format: 'pcm16', sample_rate: 24000, frame_ms: 20 });
+  assert.deepEqual(audio.players[0].thresholds, [2400]);
+  assert.deepEqual(audio.players[1].thresholds, []); // v1's started: the client's startThresholdMs alone
+  assert.equal(audio.players[1].options.startThresholdMs, 150);
+  assert.deepEqual(seen.map((e) => [e.bufferMs, e.expectedRtf]), [[2400, 1.6], [null, null]]);
+  client.close();
+});
+
+test('bufferAdvice: false keeps the fixed threshold whatever the server advises', async () => {
+  const { client, audio } = makeClient(fakeAudio(), { bufferAdvice: false });
+  client.speak('Slow text.', { format: 'pcm16', id: 'a' });
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 1);
+  ws.json({ type: 'started', id: 'a', slot: 0, stream: 't1', format: 'pcm16', sample_rate: 24000, frame_ms: 20, expected_rtf: 1.6, buffer_ms: 2400, buffer_ms_per_s: 375 });
+  assert.deepEqual(audio.players[0].thresholds, []);
+  client.close();
+});
+
+test('frameMs: 60 by default, 20 not sent (the start old clients sent), another per stream', async () => {
+  const { client } = makeClient();
+  client.speak('x', { format: 'pcm16', id: 'a' });
+  client.speak('y', { format: 'pcm16', id: 'b', frameMs: 20 });
+  client.speak('z', { format: 'pcm16', id: 'c', frameMs: 40 });
+  const ws = FakeSocket.all[0];
+  ws.json(HELLO);
+  await until(() => ws.sent.length === 3);
+  assert.deepEqual(ws.sent.map((m) => m.frame_ms), [60, undefined, 40]);
+  assert.ok(!('frame_ms' in ws.sent[1]));
+  client.close();
+  const { client: twenty } = makeClient(fakeAudio(), { frameMs: 20 });
+  twenty.speak('x', { format: 'pcm16', id: 'a' });
+  const ws2 = FakeSocket.all.at(-1);
+  ws2.json(HELLO);
+  await until(() => ws2.sent.length === 1);
+  assert.ok(!('frame_ms' in ws2.sent[0]));
+  twenty.close();
 });

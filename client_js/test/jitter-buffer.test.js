@@ -110,3 +110,17 @@ test('stop drops the queue at once', () => {
   jb.push(ramp(0, 10)); // ignored after the end
   assert.equal(jb.buffered, 0);
 });
+
+test("the server's advice raises the start threshold, never lowers it", () => {
+  const jb = new JitterBuffer({ threshold: 4, adapt: 1 });
+  jb.raiseThreshold(10);
+  jb.raiseThreshold(2); // a smaller advice changes nothing
+  assert.equal(jb.threshold, 10);
+  const out = new Float32Array(4);
+  jb.push(new Float32Array(8).fill(1));
+  assert.equal(jb.render(out), 0); // 8 of 10 samples: still buffering
+  assert.equal(jb.state, 'buffering');
+  jb.push(new Float32Array(2).fill(1));
+  assert.equal(jb.render(out), 4); // 10 queued: playing
+  assert.equal(jb.state, 'playing');
+});

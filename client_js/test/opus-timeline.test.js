@@ -7,11 +7,13 @@ import { OpusTimeline, defaultPreskip } from '../src/opus.js';
  * decoder whose output sample i of packet k has the value k·F + i (its decoded position), then
  * check that exactly decoded positions L … L+N−1 come out, in order.
  */
-function run(rate, total, { preskip, decodeBeforeHeaders = false } = {}) {
-  const F = rate / 50;
+function run(rate, total, { preskip, decodeBeforeHeaders = false, frameMs = 20, announced = true } = {}) {
+  const F = (rate * frameMs) / 1000;
   const L = defaultPreskip(rate);
   const packets = Math.max(1, Math.ceil((total + L) / F));
-  const t = new OpusTimeline({ sampleRate: rate, preskip });
+  // The stream's packet length: given at construction, or (announced) by `started` after it.
+  const t = new OpusTimeline({ sampleRate: rate, preskip, frameMs: announced ? undefined : frameMs });
+  if (announced) t.setFrameMs(frameMs);
   const out = [];
   const take = (parts) => parts.forEach((p) => out.push(...p));
   const frames = Array.from({ length: packets }, (_, k) => ({ seq: k, sample: Math.max(0, k * F - L), last: k === packets - 1 }));
@@ -47,6 +49,20 @@ for (const rate of [48000, 24000, 16000]) {
         const { out, L } = run(rate, total, { decodeBeforeHeaders });
         assert.equal(out.length, total);
         out.forEach((v, i) => assert.equal(v, i + L));
+      }
+    });
+  }
+}
+
+for (const frameMs of [40, 60]) {
+  for (const total of [0, 1, 2567, 2568, 2569, 5000, 96001]) {
+    test(`${frameMs} ms packets at 48 kHz, ${total} samples: the same stream samples as 20 ms`, () => {
+      for (const decodeBeforeHeaders of [false, true]) {
+        for (const announced of [false, true]) {
+          const { out, L } = run(48000, total, { decodeBeforeHeaders, frameMs, announced });
+          assert.equal(out.length, total);
+          out.forEach((v, i) => assert.equal(v, i + L));
+        }
       }
     });
   }

@@ -7,7 +7,7 @@ from server.audio.flac import FlacEncoder
 from server.audio.mp3 import DEFAULT_MP3_BITRATE, Mp3Encoder
 from server.audio.ogg import DEFAULT_PAGE_MS, OggOpusEncoder
 from server.audio.opus import DEFAULT_BITRATE, DEFAULT_COMPLEXITY, OpusEncoder
-from server.audio.pcm import FRAME_MS, PcmEncoder
+from server.audio.pcm import FRAME_LENGTHS_MS, FRAME_MS, PcmEncoder
 from server.audio.resample import ResamplingEncoder, StreamResampler, resampled_length
 
 #: Formats the server can produce; ``hello`` advertises exactly these.
@@ -20,6 +20,9 @@ SUPPORTED_RATES: tuple[int, ...] = (8_000, 16_000, 24_000, 48_000)
 #: enough to stay inline. ``mulaw`` is a table lookup, but telephony asks for it
 #: at 8 kHz, so it nearly always resamples.
 CPU_HEAVY_FORMATS: frozenset[str] = frozenset({"opus", "ogg", "mp3", "flac", "mulaw"})
+#: Formats whose wire frames have a fixed length a stream may choose (``frame_ms``); Ogg
+#: (pages), MP3 and FLAC frame by their own containers.
+FRAMED_FORMATS: frozenset[str] = frozenset({"pcm16", "f32", "mulaw", "opus"})
 
 
 class UnsupportedAudio(ValueError):
@@ -37,6 +40,7 @@ def make_encoder(
     ogg_serial: int | None = None,
     mp3_bitrate: int = DEFAULT_MP3_BITRATE,
     resample_quality: str = "HQ",
+    frame_ms: int = FRAME_MS,
 ) -> FrameEncoder:
     """Build the stateful encoder for one stream.
 
@@ -58,6 +62,8 @@ def make_encoder(
         mp3_bitrate: ``mp3`` CBR bitrate in kbit/s (default 64).
         resample_quality: libsoxr preset (``QQ``, ``LQ``, ``MQ``, ``HQ``,
             ``VHQ``) when resampling; default ``HQ``.
+        frame_ms: each wire frame's length, one of :data:`FRAME_LENGTHS_MS`; only the
+            :data:`FRAMED_FORMATS` take another than 20.
 
     Raises:
         UnsupportedAudio: unknown format or rate.
@@ -69,9 +75,17 @@ def make_encoder(
         raise UnsupportedAudio(
             f"sample_rate {sample_rate} is not supported; use one of {list(SUPPORTED_RATES)}"
         )
+    if frame_ms not in FRAME_LENGTHS_MS:
+        raise UnsupportedAudio(f"frame_ms {frame_ms} is not supported; use one of {list(FRAME_LENGTHS_MS)}")
+    if frame_ms != FRAME_MS and fmt not in FRAMED_FORMATS:
+        raise UnsupportedAudio(
+            f"frame_ms applies to {sorted(FRAMED_FORMATS)}; {fmt} frames by its own container (use 20)"
+        )
     encoder: FrameEncoder
     if fmt == "opus":
-        encoder = OpusEncoder(sample_rate, bitrate=opus_bitrate, complexity=opus_complexity)
+        encoder = OpusEncoder(
+            sample_rate, bitrate=opus_bitrate, complexity=opus_complexity, frame_ms=frame_ms
+        )
     elif fmt == "ogg":
         encoder = OggOpusEncoder(
             sample_rate,
@@ -85,10 +99,18 @@ def make_encoder(
     elif fmt == "flac":
         encoder = FlacEncoder(sample_rate)
     else:
-        encoder = PcmEncoder(fmt=fmt, sample_rate=sample_rate)
+        encoder = PcmEncoder(fmt=fmt, sample_rate=sample_rate, frame_ms=frame_ms)
     if sample_rate != native_rate:
         encoder = ResamplingEncoder(encoder, in_rate=native_rate, quality=resample_quality)
     return encoder
+
+
+def frame_ms_of(encoder: FrameEncoder) -> int:
+    """The length of ``encoder``'s frames in ms (a stream's ``frame_ms``; 20 for the self-framing formats)."""
+    inner = encoder.inner if isinstance(encoder, ResamplingEncoder) else encoder
+    if isinstance(inner, PcmEncoder):
+        return inner.frame_ms
+    return inner.stream.frame_ms if isinstance(inner, OpusEncoder) else FRAME_MS
 
 
 def opus_preskip(encoder: FrameEncoder) -> int:
@@ -105,6 +127,8 @@ def opus_preskip(encoder: FrameEncoder) -> int:
 
 __all__ = [
     "CPU_HEAVY_FORMATS",
+    "FRAMED_FORMATS",
+    "FRAME_LENGTHS_MS",
     "FRAME_MS",
     "SUPPORTED_FORMATS",
     "SUPPORTED_RATES",
@@ -118,6 +142,7 @@ __all__ = [
     "ResamplingEncoder",
     "StreamResampler",
     "UnsupportedAudio",
+    "frame_ms_of",
     "make_encoder",
     "opus_preskip",
     "resampled_length",

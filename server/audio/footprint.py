@@ -8,6 +8,8 @@ or tracemalloc's count where that was larger, rounded up to KiB. Measured with
 Python 3.11, the locked package versions) on 2026-12-06. Rates other than 24 kHz include the
 libsoxr resampler (``HQ``): about 128 KiB to 8 kHz, 135 KiB to 16 kHz, 207 KiB to 48 kHz.
 An encoder the server builds with other options (bitrate, complexity) is within a few KiB.
+Longer frames (a stream's ``frame_ms``, measured at 20) add what the encoder may hold of a
+frame not yet whole: the frame's extra samples as float32.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ ENCODER_STATE_BYTES: Final[dict[str, dict[int, int]]] = {
 _LARGEST: Final = max(size for by_rate in ENCODER_STATE_BYTES.values() for size in by_rate.values())
 
 
-def encoder_state_bytes(fmt: str, sample_rate: int) -> int:
-    """The memory one stream's encoder of ``fmt`` at ``sample_rate`` (and its resampler) holds."""
-    return ENCODER_STATE_BYTES.get(fmt, {}).get(sample_rate, _LARGEST)
+def encoder_state_bytes(fmt: str, sample_rate: int, frame_ms: int = 20) -> int:
+    """The memory one stream's encoder of ``fmt`` at ``sample_rate`` (and its resampler) holds.
+
+    ``frame_ms``: its frames' length; the table was measured with 20 ms frames.
+    """
+    longer = max(0, frame_ms - 20) * sample_rate // 1000 * 4  # a partial frame's float32 samples
+    return ENCODER_STATE_BYTES.get(fmt, {}).get(sample_rate, _LARGEST) + longer

@@ -1,4 +1,4 @@
-"""Stateful Opus encoding per stream: one 20 ms raw Opus packet per wire frame.
+"""Stateful Opus encoding per stream: one raw Opus packet (20, 40 or 60 ms) per wire frame.
 
 Uses libopus through ``opuslib`` (ctypes; needs the system library, Debian
 package ``libopus0``). Opus runs natively at 8/12/16/24/48 kHz, so the encoder
@@ -8,7 +8,7 @@ Pre-skip and sample accounting
 ------------------------------
 libopus delays its output by the encoder *lookahead* ``L`` (156 samples at
 24 kHz, 6.5 ms, with ``APPLICATION_AUDIO``): decoding packets ``0..P-1``
-gives ``P·F`` samples (``F`` = 20 ms of samples) whose first ``L`` are the
+gives ``P·F`` samples (``F`` = one packet's samples, 20 ms by default) whose first ``L`` are the
 encoder's warm-up, not stream audio. This is the same quantity as the Ogg
 Opus "pre-skip" (RFC 7845), there expressed in 48 kHz units.
 
@@ -45,7 +45,7 @@ from server.engine_api import AudioArray
 
 #: Sample rates libopus encodes natively.
 OPUS_RATES = (8_000, 12_000, 16_000, 24_000, 48_000)
-FRAME_MS = 20
+FRAME_MS = 20  # the default packet; libopus also takes 40 and 60 ms (one call, fewer packets)
 #: Default target bitrate (bit/s). Speech at 24 kHz sounds transparent-ish from
 #: ~24 kbit/s; 32 kbit/s leaves headroom for the tonal/noisy parts of TTS output.
 DEFAULT_BITRATE = 32_000
@@ -70,7 +70,7 @@ def libopus_version() -> str:
 
 
 class OpusStreamEncoder:
-    """Packetizes one mono stream into 20 ms Opus packets with exact stream-end accounting.
+    """Packetizes one mono stream into Opus packets of ``frame_ms`` with exact stream-end accounting.
 
     Not thread-safe; one instance per stream. The libopus calls release the
     GIL (ctypes), so an instance may be driven from a worker thread as long as
@@ -83,6 +83,7 @@ class OpusStreamEncoder:
         *,
         bitrate: int = DEFAULT_BITRATE,
         complexity: int = DEFAULT_COMPLEXITY,
+        frame_ms: int = FRAME_MS,
     ) -> None:
         """Create the libopus encoder.
 
@@ -91,9 +92,11 @@ class OpusStreamEncoder:
                 of the ``samples`` counts.
             bitrate: target bitrate in bit/s (libopus range 500..512000; VBR).
             complexity: libopus complexity 0..10 (CPU cost vs quality).
+            frame_ms: each packet's length: 20, 40 or 60 ms (a longer packet is one libopus
+                call and one wire frame for more audio; the pre-skip does not change).
 
         Raises:
-            ValueError: unsupported rate, bitrate or complexity.
+            ValueError: unsupported rate, bitrate, complexity or packet length.
         """
         if sample_rate not in OPUS_RATES:
             raise ValueError(f"Opus cannot encode at {sample_rate} Hz; use one of {list(OPUS_RATES)}")
@@ -101,11 +104,14 @@ class OpusStreamEncoder:
             raise ValueError(f"opus bitrate must be in 500..512000, got {bitrate}")
         if not 0 <= complexity <= 10:
             raise ValueError(f"opus complexity must be in 0..10, got {complexity}")
+        if frame_ms not in (20, 40, 60):
+            raise ValueError(f"opus frame_ms must be one of [20, 40, 60], got {frame_ms}")
         self.sample_rate = sample_rate
         self.bitrate = bitrate
         self.complexity = complexity
-        #: Samples per 20 ms packet at ``sample_rate``.
-        self.frame_samples = sample_rate * FRAME_MS // 1000
+        self.frame_ms = frame_ms
+        #: Samples per packet at ``sample_rate``.
+        self.frame_samples = sample_rate * frame_ms // 1000
         self._enc = opuslib.Encoder(sample_rate, 1, opuslib.APPLICATION_AUDIO)
         self._enc.bitrate = bitrate
         self._enc.complexity = complexity
@@ -155,7 +161,7 @@ class OpusStreamEncoder:
         return out
 
     def push(self, audio: AudioArray) -> list[OpusPacket]:
-        """Buffer ``audio`` and encode every complete 20 ms frame.
+        """Buffer ``audio`` and encode every complete frame.
 
         Raises:
             RuntimeError: called after :meth:`finish`.
@@ -189,7 +195,7 @@ class OpusStreamEncoder:
 
 
 class OpusEncoder:
-    """The ``opus`` wire format: each :class:`EncodedFrame` payload is exactly one raw 20 ms Opus packet.
+    """The ``opus`` wire format: each :class:`EncodedFrame` payload is exactly one raw Opus packet.
 
     ``EncodedFrame.samples`` follows :class:`OpusStreamEncoder`'s accounting,
     so the ``sample`` header is the stream-timeline offset and the samples
@@ -202,9 +208,12 @@ class OpusEncoder:
         *,
         bitrate: int = DEFAULT_BITRATE,
         complexity: int = DEFAULT_COMPLEXITY,
+        frame_ms: int = FRAME_MS,
     ) -> None:
         """See :class:`OpusStreamEncoder` for the arguments."""
-        self.stream = OpusStreamEncoder(sample_rate, bitrate=bitrate, complexity=complexity)
+        self.stream = OpusStreamEncoder(
+            sample_rate, bitrate=bitrate, complexity=complexity, frame_ms=frame_ms
+        )
 
     @property
     def format(self) -> str:

@@ -11,8 +11,9 @@ therefore waits for the step in flight, not for a whole batch
 boundary once a command that brings or frees work (add, append, cancel) waits:
 it asks ``interrupt`` only between quanta (its ``quantum_tokens`` token steps, 4
 on CUDA and 1 on the CPU), never inside one, so the newcomer waits at most one
-quantum, not a block. The engine is created, warmed up, stepped and closed on
-this thread only.
+quantum, not a block (two where the engine overlaps its quanta, ``--overlap-quanta``:
+the quantum launched before the read that saw the command still runs). The engine is
+created, warmed up, stepped and closed on this thread only.
 """
 
 from __future__ import annotations

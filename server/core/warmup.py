@@ -4,6 +4,10 @@ The engine's own ``warmup()`` runs first on the inference thread (kernels,
 allocator). Then these requests go through the engine client like any
 client's, so batching, the decoder's buffers and the text path are all
 exercised before a load balancer sends the first real request.
+
+They run in two phases, one stream alone and then two together, so that a
+:class:`Calibration` (the server's pace, ``server.streams.pace``) measures the
+engine at one row and at several before the first client asks how much to buffer.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 from server.core.client import EngineClient
+from server.core.events import Audio
 from server.core.generation import GenerateRequest, Generation
 from server.engine_api import SynthesisParams
 
@@ -24,20 +31,59 @@ WARMUP_TEXTS: tuple[tuple[str, ...], ...] = (
     ("Hello, and welcome to the streaming speech server.", "Let's get started."),
     ("会议在下午三点开始，meeting room B.",),
 )
+#: The phases, by index into ``WARMUP_TEXTS``: English alone, then the other two together.
+PHASES: tuple[tuple[int, ...], ...] = ((1,), (0, 2))
 
 
-async def warm_up(engine: EngineClient, *, timeout_s: float = 600.0) -> None:
-    """Run every warm-up text together (a batch, like real traffic) and wait for all of them."""
+class Calibration(Protocol):
+    """What measures the engine's pace from the warm-up (``server.streams.pace.Pace``)."""
+
+    def calibrate(self, texts: Sequence[str], audio_s: float) -> None:
+        """A phase ended: ``texts`` spoke ``audio_s`` seconds of audio."""
+
+    def expectation(self, engine: str) -> str:
+        """One line: what the engine runs and what to expect of it on this machine."""
+
+
+async def warm_up(
+    engine: EngineClient, calibration: Calibration | None = None, *, timeout_s: float = 600.0
+) -> None:
+    """Run the warm-up texts phase by phase (each phase a batch, like real traffic).
+
+    ``calibration`` is told each phase's texts and audio, then the start-up's one line of
+    what to expect is logged.
+    """
     started = time.monotonic()
-    generations = [
-        engine.generate(GenerateRequest(segments=segments, params=SynthesisParams(seed=number)))
-        for number, segments in enumerate(WARMUP_TEXTS)
-    ]
+    rate = engine.info.sample_rate
     async with asyncio.timeout(timeout_s):
-        await asyncio.gather(*(_drain(generation) for generation in generations))
+        for phase in PHASES:
+            generations = [
+                engine.generate(
+                    GenerateRequest(segments=WARMUP_TEXTS[number], params=SynthesisParams(seed=number))
+                )
+                for number in phase
+            ]
+            samples = await asyncio.gather(*(_drain(generation) for generation in generations))
+            if calibration is not None:
+                texts = [text for number in phase for text in WARMUP_TEXTS[number]]
+                calibration.calibrate(texts, sum(samples) / rate)
     log.info("warm-up done in %.1f s", time.monotonic() - started)
+    if calibration is not None:
+        log.info("%s", calibration.expectation(_engine_line(engine)))
 
 
-async def _drain(generation: Generation) -> None:
-    async for _ in generation:
-        pass
+def _engine_line(engine: EngineClient) -> str:
+    """``chattts (cpu, bfloat16, compiled, w8a8)``: the engine and the facts that set its pace."""
+    facts = engine.info.extra
+    keys = ("device", "dtype", "token_step", "quantize")
+    shown = [facts[k] for k in keys if facts.get(k, "none") != "none"]
+    return f"{engine.info.name} ({', '.join(shown)})" if shown else engine.info.name
+
+
+async def _drain(generation: Generation) -> int:
+    """Read a generation to its end; returns its samples."""
+    samples = 0
+    async for event in generation:
+        if isinstance(event, Audio):
+            samples += len(event.samples)
+    return samples

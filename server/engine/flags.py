@@ -131,6 +131,7 @@ def engine_options(settings: Settings) -> EngineOptions:
     return EngineOptions(
         block_schedule=blocks,
         quantum_tokens=settings.quantum_tokens or None,
+        overlap_quanta=None if settings.overlap_quanta == "auto" else settings.overlap_quanta == "on",
         prefill_bucket=settings.prefill_bucket,
         warmup_prompt_chars=settings.segment_max_chars,
         max_batch=settings.max_batch or None,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -77,5 +77,7 @@ Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=5.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=1, le=1000)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+#: A wire frame's length: Opus's own packet lengths (the formats with fixed frames take them).
+FrameMs = Literal[20, 40, 60]
 #: ``[oral_N][laugh_N][break_N]`` at most (the service checks the tags themselves).
 RefinePrompt = Annotated[str, msgspec.Meta(max_length=64)]

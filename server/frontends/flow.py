@@ -48,7 +48,7 @@ class FlowTransport(asyncio.Transport):
 
     def after_read(self) -> None:
         """What was read has been handled: past :data:`MAX_UNSENT_BYTES` unsent, stop reading."""
-        if not self._writes_hold and self._transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+        if not self._writes_hold and self.get_write_buffer_size() > MAX_UNSENT_BYTES:
             self._writes_hold = True
             self._apply()
 

@@ -46,6 +46,7 @@ def cache_key(
         repr(msg.top_k),
         msg.format,
         str(msg.sample_rate),
+        f"frame_ms={msg.frame_ms}",
         f"refine={msg.refine}:{msg.refine_prompt}",
         f"words={msg.word_timestamps}",
         voice_digest,

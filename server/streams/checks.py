@@ -60,6 +60,7 @@ def stream_encoder(
             ogg_page_ms=settings.ogg_page_ms,
             mp3_bitrate=settings.mp3_bitrate,
             ogg_serial=ogg_serial,
+            frame_ms=request.frame_ms,
         )
     except (UnsupportedAudio, ValueError) as exc:
         raise Unsupported(str(exc)) from None

@@ -39,7 +39,6 @@ from server.streams.routing import Claims, inexact_engine, request_digest
 
 #: Formats whose frames carry no state from one to the next (at the native rate).
 STATELESS_FORMATS = frozenset({"pcm16", "f32", "mulaw"})
-FRAME_MS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +66,14 @@ class Regeneration:
         native_start: that segment's first sample on the native (24 kHz) timeline.
         skip_through: items with a seq up to this one are not sent (the client has them).
         degraded: why the audio after the resume point may differ from the lost stream's; None: exact.
+        frame_ms: the stream's frame length (its ``start``'s ``frame_ms``): the grid it goes on on.
     """
 
     first_segment: int
     native_start: int
     skip_through: int
     degraded: str | None = None
+    frame_ms: int = 20
 
     def prepare(self, encoder: FrameEncoder, outbox: Outbox) -> None:
         """Set a fresh encoder and outbox up so that the stream goes on at ``native_start``.
@@ -84,7 +85,7 @@ class Regeneration:
         if self.first_segment == 0:
             outbox.start_at(seq=0, sample=0, native=0, skip_through=self.skip_through)
             return
-        frame = NATIVE_SAMPLE_RATE * FRAME_MS // 1000
+        frame = NATIVE_SAMPLE_RATE * self.frame_ms // 1000
         seq, pad = divmod(self.native_start, frame)
         assert not encoder.push(np.zeros(pad, dtype=np.float32)), "less than a frame gives no frame"
         outbox.start_at(
@@ -130,7 +131,8 @@ def plan(
     if request_digest(request, owner) != claims.request:
         raise UnknownStream("the stream is gone, and the request sent with the resume is not the stream's")
     first, start = _restart_point(request, point, segments)
-    return Regeneration(first, start, point.after_seq, _degraded(request, claims, fingerprint, engine))
+    degraded = _degraded(request, claims, fingerprint, engine)
+    return Regeneration(first, start, point.after_seq, degraded, request.frame_ms)
 
 
 def _restart_point(request: SpeechRequest, point: ResumePoint, segments: int) -> tuple[int, int]:
@@ -138,7 +140,7 @@ def _restart_point(request: SpeechRequest, point: ResumePoint, segments: int) ->
     stateless = request.format in STATELESS_FORMATS and request.sample_rate == NATIVE_SAMPLE_RATE
     if point.segment is None or point.segment_sample is None or not stateless:
         return 0, 0
-    frame = request.sample_rate * FRAME_MS // 1000  # PCM frames: a fixed 20 ms grid
+    frame = request.sample_rate * request.frame_ms // 1000  # PCM frames: a fixed grid of frame_ms
     if not 0 <= point.segment < segments:
         raise InvalidRequest(f"segment {point.segment}: the text has {segments} segments")
     if not 0 <= point.segment_sample <= (point.after_seq + 1) * frame:

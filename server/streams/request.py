@@ -18,6 +18,7 @@ class SpeechRequest:
         refine: run the model's refinement pass on each segment first.
         refine_prompt: its sentence-level controls (``[oral_2][laugh_0][break_6]``).
         word_timestamps: time each segment's words (``Words`` items in the outbox).
+        frame_ms: each wire frame's length (20, 40, 60; formats with fixed frames only).
     """
 
     name: str
@@ -35,6 +36,7 @@ class SpeechRequest:
     refine: bool = False
     refine_prompt: str = ""
     word_timestamps: bool = False
+    frame_ms: int = 20
 
     @property
     def params(self) -> SynthesisParams:

@@ -31,6 +31,7 @@ from server.streams.failover import plan as plan_regeneration
 from server.streams.incremental import TextFeed, open_feed
 from server.streams.limits import ClientLimiter
 from server.streams.outbox import Outbox
+from server.streams.pace import Pace
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
 from server.streams.routing import Claims, Router, request_digest
@@ -85,6 +86,8 @@ class SpeechService:
         self.voices = VoiceLibrary(settings, engine)
         #: Every port's one voice list and name resolution (``open`` resolves each request's voice).
         self.catalog = VoiceCatalog(engine, self.voices)
+        #: The engine's pace, and how much a listener should buffer (``started``, ``hello``).
+        self.pace = Pace(metrics)
         #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
         self.router: Router | None = None
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 
-from server.audio import CPU_HEAVY_FORMATS, opus_preskip
+from server.audio import CPU_HEAVY_FORMATS, frame_ms_of, opus_preskip
 from server.audio.base import FrameEncoder
 from server.audio.footprint import encoder_state_bytes
 from server.core.events import Audio, Ended, SegmentStarted
@@ -149,7 +149,7 @@ class Stream:
         self._held = Held(
             outbox.charge,
             stream=STREAM_OVERHEAD_BYTES,
-            encoder=encoder_state_bytes(self.format, self.sample_rate),
+            encoder=encoder_state_bytes(self.format, self.sample_rate, frame_ms_of(encoder)),
             text=PENDING_CHAR_BYTES * text.max_pending_chars if text is not None else 0,
         )
         metrics.active_streams.inc()

@@ -188,7 +188,17 @@ SLOW_SCENARIO: dict[str, Any] = {
     "seed": 11,
     "format": "pcm16",
     "startThresholdMs": 60,
+    "bufferAdvice": False,  # the fixed 60 ms alone: this one is to under-run
 }
+#: The same on the server's advice (``started.buffer_ms``): the player starts later, and plays through.
+#: (Another seed: the same one would be answered from the response cache, all at once.)
+ADVISED_SCENARIO: dict[str, Any] = {
+    **SLOW_SCENARIO,
+    "name": "pcm16-slow-advised",
+    "seed": 12,
+    "bufferAdvice": True,
+}
+SLOW_SCENARIOS = (SLOW_SCENARIO, ADVISED_SCENARIO)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +221,10 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ]
         spec = {
             "server": f"http://127.0.0.1:{fast_port}",
-            "scenarios": [*SCENARIOS, {**SLOW_SCENARIO, "server": f"http://127.0.0.1:{slow_port}"}],
+            "scenarios": [
+                *SCENARIOS,
+                *({**s, "server": f"http://127.0.0.1:{slow_port}"} for s in SLOW_SCENARIOS),
+            ],
             "screenshots": screenshots,
         }
         (work / "spec.json").write_text(json.dumps(spec))
@@ -316,6 +329,15 @@ def test_underruns_are_counted_and_the_audio_stays_exact(e2e: dict[str, Any]) ->
     metrics = result["metrics"]
     assert metrics["underruns"] >= 1 and metrics["underrunMs"] > 0
     assert sum(e["type"] == "underrun" for e in result["events"]) == metrics["underruns"]
+
+
+def test_the_players_start_waits_for_the_servers_advice_and_plays_through(e2e: dict[str, Any]) -> None:
+    result = e2e["pcm16-slow-advised"]
+    assert_same(played(result), expected_pcm16(ADVISED_SCENARIO["text"], ADVISED_SCENARIO["seed"]))
+    started = next(e for e in result["events"] if e["type"] == "started")
+    # The slow server (16 tokens of 341 ms a 450 ms step) measured itself slower than real time.
+    assert started["expectedRtf"] > 1 and started["bufferMs"] > ADVISED_SCENARIO["startThresholdMs"]
+    assert result["metrics"]["underruns"] == 0  # where the fixed 60 ms under-runs (above)
 
 
 def test_demo_page_speaks_and_shows_its_metrics(e2e: dict[str, Any]) -> None:

@@ -103,6 +103,30 @@ async def test_segments_are_reported_once_across_resumes(make_app: Any) -> None:
     assert stream.done is not None and stream.done.samples == done["samples"]
 
 
+@pytest.mark.parametrize("fmt", ["pcm16", "opus"])
+async def test_frame_ms_asks_for_longer_frames_and_a_cut_resumes_on_them(make_app: Any, fmt: str) -> None:
+    app = await make_app("--fake-step-ms", "3", "--resume-ttl-s", "30")
+    expected, done = await raw_stream(app.port, text=TEXT, seed=5, format=fmt, frame_ms=60)
+    assert len(expected) > 6
+    async with CuttableProxy(app.port) as proxy, cs.Client(url(proxy.port), max_queued_chunks=1) as client:
+        stream = client.speak(TEXT, seed=5, format=fmt, frame_ms=60)
+        got: list[cs.AudioChunk] = []
+        async with asyncio.timeout(60):
+            async for chunk in stream:
+                got.append(chunk)
+                if chunk.seq in (1, 4):
+                    proxy.cut()
+    assert stream.frame_ms == 60  # from started
+    assert as_tuples(got) == expected
+    assert stream.done is not None and stream.done.samples == done["samples"]
+    # Without frame_ms the server's default: 20 ms frames, three times as many.
+    async with cs.Client(url(app.port)) as client:
+        plain = client.speak(TEXT, seed=5, format=fmt)
+        chunks = [chunk async for chunk in plain]
+    assert plain.frame_ms == 20
+    assert len(chunks) > 2 * len(got)
+
+
 # --- incremental text ---------------------------------------------------------------------------
 
 

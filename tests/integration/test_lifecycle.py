@@ -47,6 +47,9 @@ async def test_cancel_mid_stream_frees_slot_and_engine_work(make_app: Any) -> No
 @pytest.mark.parametrize("ttl", ["0", "0.5"])
 async def test_disconnect_mid_stream_frees_engine_work_after_the_resume_ttl(make_app: Any, ttl: str) -> None:
     app = await make_app("--fake-step-ms", "60", "--resume-ttl-s", ttl)
+    # The warm-up's own sequences (its second phase) must not land among the events counted below.
+    async with asyncio.timeout(30):
+        await app.warmed_up.wait()
     ws, _ = await open_client(app.port)
     # Long enough (several seconds of steps) that the TTL always expires first.
     await start(ws, id="d", text=LONG_TEXT * 3, seed=1)

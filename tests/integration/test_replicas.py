@@ -74,16 +74,22 @@ async def test_a_resume_on_another_replica_is_forwarded_to_the_owner(make_app: M
     assert a.metrics.resumes.labels(how="local")._value.get() == 1
 
 
-FORMATS = [("pcm16", 24000), ("f32", 24000), ("mulaw", 24000), ("pcm16", 16000), ("opus", 24000)]
+FORMATS: list[tuple[Any, ...]] = [("pcm16", 24000), ("f32", 24000), ("mulaw", 24000), ("pcm16", 16000)]
+FORMATS += [("opus", 24000)]
 FORMATS += [("opus", 48000), ("ogg", 24000), ("mp3", 24000), ("flac", 24000), ("mulaw", 8000)]
+# Longer frames (``frame_ms``): PCM goes on from its segment on the 60 ms grid, Opus from the start.
+FORMATS += [("pcm16", 24000, 60), ("mulaw", 24000, 40), ("opus", 48000, 60)]
 
 
-@pytest.mark.parametrize(("fmt", "rate"), FORMATS)
+@pytest.mark.parametrize("case", FORMATS, ids=lambda case: "-".join(map(str, case)))
 async def test_a_stream_whose_owner_is_gone_is_regenerated_byte_for_byte(
-    make_app: MakeApp, fmt: str, rate: int
+    make_app: MakeApp, case: tuple[Any, ...]
 ) -> None:
     a, b = await make_app(*REPLICA), await make_app(*REPLICA)
+    fmt, rate, frame_ms = (*case, 20)[:3]
     start = {"id": "s", "text": TEXT, "seed": 11, "format": fmt, "sample_rate": rate}
+    if frame_ms != 20:
+        start["frame_ms"] = frame_ms
     expected = await unbroken(b.port, start)
     taken = await start_and_cut(a.port, start, cut_after=int(len(expected.frames) * 0.6))
     assert len(taken.marks) >= 2  # the cut is past the first segment

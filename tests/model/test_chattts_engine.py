@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.engine.chattts.decode import StreamDecoder, samples_for_tokens
+from server.engine.chattts.decode import samples_for_tokens
 from server.engine.chattts.options import EngineOptions
 from server.engine_api import Engine, EngineError, SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end
@@ -192,17 +192,18 @@ def test_voices_and_speed(tiny_engine: Any) -> None:
     assert not np.array_equal(different.samples, seeded.samples)
 
 
-def test_engine_stream_matches_one_shot_decode(tiny_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_stream_matches_one_shot_decode(tiny_engine: Any) -> None:
     """End to end on the engine path: the streamed audio vs a one-shot decode of the same states."""
     pushed: list[torch.Tensor] = []
-    original = StreamDecoder.push
 
-    def spy(self: StreamDecoder, hiddens: torch.Tensor) -> None:
-        pushed.append(hiddens.clone())
-        original(self, hiddens)
+    def tap(seq_id: int, codes: torch.Tensor, hiddens: torch.Tensor) -> None:
+        pushed.append(hiddens)
 
-    monkeypatch.setattr(StreamDecoder, "push", spy)
-    c = run_to_end(tiny_engine, [req(900, SENTENCES[0], max_tokens=120)])[900]
+    tiny_engine.token_tap = tap
+    try:
+        c = run_to_end(tiny_engine, [req(900, SENTENCES[0], max_tokens=120)])[900]
+    finally:
+        tiny_engine.token_tap = None
     ref = tiny_engine.decode_tokens(torch.cat(pushed))
     assert len(ref) == len(c.samples)
     err = c.samples - ref
@@ -229,19 +230,22 @@ def test_min_tokens_forces_length(tiny_model_dir: Any) -> None:
 
 
 def _prefill_lengths(engine: Any) -> tuple[list[int], Any]:
-    """Record the sequence length of every multi-token Llama forward (the prefills)."""
+    """Record the sequence length of every multi-token Llama forward (the prefills), once per row."""
     seen: list[int] = []
 
     def hook(module: Any, args: Any) -> None:
-        length = int(args[0].shape[1])
+        rows, length = args[0].shape[:2]
         if length > 1:
-            seen.append(length)
+            seen.extend([int(length)] * int(rows))
 
     return seen, engine._llama.layers[0].register_forward_pre_hook(hook)
 
 
 def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) -> None:
     """Prompts of many lengths reach the model at a few padded lengths, all of them seen in warm-up.
+
+    They start in one step, so they are prefilled together: every (rows, length) call of the
+    burst is one warm-up ran, and none holds more than the token budget (512) but a lone row.
 
     One kernel shape per prompt length made the CPU process grow without end in the soak
     (bench/results/studies/rss-shapes-epyc-2core.md); this pins the mechanism that keeps it flat.
@@ -255,20 +259,29 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
         options=EngineOptions(prefill_bucket=16, warmup_prompt_chars=60, max_batch=32),
     )
     seen, handle = _prefill_lengths(engine)
+    calls: list[tuple[int, int]] = []
+    shapes = engine._llama.layers[0].register_forward_pre_hook(lambda _m, a: calls.append(a[0].shape[:2]))
     try:
         engine.warmup()
         warmed = set(seen)
+        warmed_calls = {(int(b), int(n)) for b, n in calls}
         seen.clear()
+        calls.clear()
         prompts = ["字" * n for n in range(1, 61, 3)] + ["word " * n for n in range(1, 12)]
         run_to_end(engine, [req(i, text, max_tokens=2) for i, text in enumerate(prompts)])
         served = set(seen)
+        served_calls = {(int(b), int(n)) for b, n in calls if n > 1}
     finally:
         handle.remove()
+        shapes.remove()
         engine.close()
     assert len(seen) == len(prompts)
     assert all(length % 16 == 0 for length in served)
     assert len(served) <= 6, served
     assert served <= warmed, f"serving met prefill shapes warm-up never ran: {served - warmed}"
+    assert max(b for b, _ in served_calls) > 1, "the burst was not prefilled together"
+    assert all(b * n <= 512 or b == 1 for b, n in served_calls), served_calls
+    assert served_calls <= warmed_calls, f"calls warm-up never ran: {served_calls - warmed_calls}"
 
 
 def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_dir: Any) -> None:

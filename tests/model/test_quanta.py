@@ -41,16 +41,23 @@ def load(tiny_model_dir: Path, options: EngineOptions, **kw: Any) -> Any:
     return engine
 
 
-@pytest.fixture(scope="module")
-def counted(tiny_model_dir: Path) -> Iterator[tuple[Any, OpCount]]:
-    """A K=4 engine of 32 slots whose step and decode are marked regions; no row ends before 60 tokens."""
+@pytest.fixture(scope="module", params=[False, True], ids=["synchronous", "overlapped"])
+def counted(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Any, OpCount]]:
+    """A K=4 engine of 32 slots whose step and decode are marked regions; no row ends before 60 tokens.
+
+    Synchronous quanta (each read before the next is launched) or overlapped ones (``--overlap-quanta``).
+    """
     count = OpCount()
     options = EngineOptions(
-        max_batch=max(ROWS), block_schedule=(8, 8, 16), quantum_tokens=QUANTUM, min_tokens=60
+        max_batch=max(ROWS),
+        block_schedule=(8, 8, 16),
+        quantum_tokens=QUANTUM,
+        min_tokens=60,
+        overlap_quanta=request.param,
     )
     engine = load(tiny_model_dir, options, step_runner=lambda step: MarkedRunner(step, count))
     batch = engine._batch
-    batch._decode = count.mark(batch._decode, "decode")
+    batch.block.decode = count.mark(batch.block.decode, "decode")
     yield engine, count
     engine.close()
 
@@ -86,8 +93,15 @@ def test_one_host_sync_per_quantum_and_host_ops_independent_of_the_rows(
 
 
 def test_the_interrupt_is_asked_only_between_quanta(counted: tuple[Any, OpCount]) -> None:
-    """A waiting command ends the block at the next quantum boundary, never inside a quantum."""
+    """A waiting command ends the block at the next quantum boundary, never inside a quantum.
+
+    Overlapped, the next quantum is already launched when a quantum is read: the block ends
+    after that one, and a block's last two quanta ask nobody.
+    """
     engine, _ = counted
+    if engine.info.extra["overlap_quanta"] == "on":
+        _interrupt_overlapped(engine)
+        return
     engine.add(req(1, seed=1, max_tokens=200))
     asked: list[int] = []
 
@@ -108,6 +122,35 @@ def test_the_interrupt_is_asked_only_between_quanta(counted: tuple[Any, OpCount]
         assert [r.tokens for r in engine.step([1])] == [QUANTUM]  # cut, but after a whole quantum
         assert [r.tokens for r in engine.step([1])] == [QUANTUM]  # the rest of the 8-token block
         assert len(asked) == 1  # the last quantum of a block asks nobody
+    finally:
+        engine.interrupt = None
+        engine.drop(1)
+
+
+def _interrupt_overlapped(engine: Any) -> None:
+    engine.add(req(1, seed=1, max_tokens=200))
+    asked: list[int] = []
+
+    def ask(answer: bool) -> Any:
+        def interrupt() -> bool:
+            asked.append(1)
+            return answer
+
+        return interrupt
+
+    try:
+        engine.interrupt = ask(True)
+        assert [r.tokens for r in engine.step([1])] == [8]  # 2 quanta: the 2nd runs while the 1st is read
+        assert [r.tokens for r in engine.step([1])] == [8]
+        assert not asked
+        engine.interrupt = ask(False)
+        assert [r.tokens for r in engine.step([1])] == [16]  # 4 quanta: asked after the 1st and 2nd
+        assert len(asked) == 2
+        asked.clear()
+        engine.interrupt = ask(True)
+        assert [r.tokens for r in engine.step([1])] == [2 * QUANTUM]  # cut after the quantum in flight
+        assert [r.tokens for r in engine.step([1])] == [2 * QUANTUM]  # the rest of the 16-token block
+        assert len(asked) == 1
     finally:
         engine.interrupt = None
         engine.drop(1)

@@ -75,13 +75,13 @@ def test_step_cache_writes_each_row_at_its_own_position_only() -> None:
     assert torch.equal(before[0], kv.keys[0]) and torch.equal(before[2], kv.values[0])  # layer 0 untouched
 
 
-def test_prefill_cache_fills_one_slot_from_position_zero() -> None:
+def test_prefill_cache_fills_each_rows_slot_from_position_zero() -> None:
     kv = _kv()
-    states = torch.randn(1, 2, 5, 3)
-    keys, _ = kv.prefill_view(2, 5).update(states, states, layer_idx=0)
-    assert keys.shape == (1, 2, 5, 3)
-    assert torch.equal(kv.keys[0][2, :, :5], states[0])
-    assert kv.keys[0][[0, 1, 3]].abs().sum() == 0 and kv.keys[0][2, :, 5:].abs().sum() == 0
+    states = torch.randn(2, 2, 5, 3)
+    keys, _ = kv.prefill_view(torch.tensor([2, 0]), 5).update(states, states, layer_idx=0)
+    assert keys.shape == (2, 2, 5, 3)
+    assert torch.equal(kv.keys[0][2, :, :5], states[0]) and torch.equal(kv.keys[0][0, :, :5], states[1])
+    assert kv.keys[0][[1, 3]].abs().sum() == 0 and kv.keys[0][[0, 2], :, 5:].abs().sum() == 0
 
 
 # --- resident memory on the CPU: pages follow the positions written ------------------------------
@@ -117,8 +117,9 @@ def _big_kv() -> SlotKV:
 def _prefill(kv: SlotKV, slot: int, length: int) -> None:
     """Write ``length`` positions of ``slot`` in every layer, from an expanded scalar (no temporaries)."""
     states = torch.ones(1, 1, 1, 1).expand(1, BIG["kv_heads"], length, BIG["head_dim"])
+    kv.cover(slot, length)
     for layer in range(BIG["layers"]):
-        kv.prefill_view(slot, length).update(states, states, layer_idx=layer)
+        kv.prefill_view(torch.tensor([slot]), length).update(states, states, layer_idx=layer)
 
 
 def test_cpu_slots_are_address_space_until_written_and_reading_costs_nothing() -> None:

@@ -46,7 +46,9 @@ class World:
         )
         self.budget = MemoryBudget(0, lambda: None)
 
-    def stream(self, token: str, client: str = "c", fmt: str = "mp3") -> tuple[Stream, Lease, Generation]:
+    def stream(
+        self, token: str, client: str = "c", fmt: str = "mp3", frame_ms: int = 20
+    ) -> tuple[Stream, Lease, Generation]:
         lease = Lease(abort=lambda reason: None)
         charge = self.budget.charger(client)
         outbox = Outbox(
@@ -56,7 +58,7 @@ class World:
         stream = Stream(
             name=token,
             token=token,
-            encoder=make_encoder(fmt, 48_000),
+            encoder=make_encoder(fmt, 48_000, frame_ms=frame_ms),
             outbox=outbox,
             lease=lease,
             metrics=self.metrics,
@@ -167,3 +169,20 @@ def test_every_format_and_rate_has_a_measured_encoder_size() -> None:
     assert {(f, r) for f in SUPPORTED_FORMATS for r in SUPPORTED_RATES} == {
         (f, r) for f, by_rate in ENCODER_STATE_BYTES.items() for r in by_rate
     }
+
+
+@pytest.mark.parametrize("fmt", ["pcm16", "opus"])
+async def test_longer_frames_charge_the_longest_partial_frame_the_encoder_may_hold(
+    pool: ThreadPoolExecutor, fmt: str
+) -> None:
+    world = World(pool, 10, 10)
+    world.stream("a", fmt=fmt)
+    world.stream("b", client="d", fmt=fmt, frame_ms=60)
+    measured = encoder_state_bytes(fmt, 48_000)
+    assert world.budget.of("c") == STREAM_OVERHEAD_BYTES + measured
+    # 40 ms more of float32 samples at 48 kHz: what a 60 ms frame not yet whole may hold.
+    assert world.budget.of("d") == STREAM_OVERHEAD_BYTES + measured + 1920 * 4
+    encoder = make_encoder(fmt, 48_000, frame_ms=60)
+    encoder.push(np.zeros(1439, dtype=np.float32))  # 24 kHz in: just short of one 60 ms frame out
+    held = encoder.inner._pending if fmt == "pcm16" else encoder.inner.stream._pending  # type: ignore[attr-defined]
+    assert held.nbytes - 960 * 4 <= 1920 * 4  # beyond a 20 ms frame's, within the charge

@@ -35,6 +35,8 @@ def test_defaults_are_the_engines() -> None:
     assert options.voice_transcript_tokens is None
     assert options.quantum_tokens is None  # the device's: 4 on CUDA, 1 on the CPU
     assert (options.quantum_for("cuda"), options.quantum_for("cpu")) == (4, 1)
+    assert options.overlap_quanta is None  # the device's: on on CUDA, off on the CPU
+    assert (options.overlap_for("cuda"), options.overlap_for("cpu")) == (True, False)
     assert options.transcript_tokens == 200  # 20 tokens a second of the longest recording
 
 
@@ -118,6 +120,14 @@ def test_engine_options_maps_the_flags() -> None:
         voice_transcript_tokens=transcript_limit(5.0),
     )
     assert engine_options(load_settings([], env={"CHATTTS_MAX_BATCH": "2"})).max_batch == 2
+
+
+@pytest.mark.parametrize(("flag", "overlap"), [("auto", None), ("on", True), ("off", False)])
+def test_overlap_quanta_maps_to_the_option(flag: str, overlap: bool | None) -> None:
+    options = engine_options(load_settings(["--overlap-quanta", flag], env={}))
+    assert options.overlap_quanta is overlap
+    assert options.overlap_for("cpu") is (overlap is True)
+    assert options.overlap_for("cuda") is (overlap is not False)
 
 
 def test_the_flags_defaults_are_the_engines() -> None:

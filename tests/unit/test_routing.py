@@ -81,6 +81,27 @@ def test_verification_compares_the_mac_in_constant_time(monkeypatch: pytest.Monk
     assert len(calls) == 1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Old:
+    """A request as it was before ``frame_ms``: the same fields less that one."""
+
+    name: str
+    text: str | None
+    voice: str
+    speed: float
+    format: str
+    sample_rate: int
+    seed: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    incremental: bool
+    max_buffer_delay_ms: float | None
+    refine: bool
+    refine_prompt: str
+    word_timestamps: bool
+
+
 def test_the_request_digest_covers_every_field_that_changes_the_audio() -> None:
     digest = routing.request_digest(REQUEST)
     changes = {
@@ -88,10 +109,14 @@ def test_the_request_digest_covers_every_field_that_changes_the_audio() -> None:
         "sample_rate": 16000, "seed": 8, "temperature": 0.5, "top_p": 0.5, "top_k": 5,
         "incremental": True, "max_buffer_delay_ms": 100.0, "refine": True, "refine_prompt": "[oral_2]",
         "word_timestamps": True,  # not the audio, but the stream's messages
+        "frame_ms": 60,  # the frames' bytes
     }  # fmt: skip
     assert set(changes) == {f.name for f in dataclasses.fields(SpeechRequest)}
     for name, value in changes.items():
         assert routing.request_digest(dataclasses.replace(REQUEST, **{name: value})) != digest, name
+    # frame_ms 20 (the default) is left out, so a request from before the field has its digest.
+    fields = {k: v for k, v in dataclasses.asdict(REQUEST).items() if k != "frame_ms"}
+    assert routing.request_digest(_Old(**fields)) == digest  # type: ignore[arg-type]
     # The tenant is part of it: another tenant's resend of the same request does not match.
     assert routing.request_digest(REQUEST, "tenant-a") not in {digest, routing.request_digest(REQUEST, "b")}
 

@@ -136,15 +136,19 @@ class Client:
         top_p: float | None = None,
         top_k: int | None = None,
         stream_id: str | None = None,
+        frame_ms: int | None = None,
         **extra: Any,
     ) -> SpeechStream:
         """A stream speaking ``text``; it starts when first iterated (or on ``await stream.start()``).
 
         Keyword arguments are the ``start`` fields of docs/protocol.md; ``extra``
-        passes fields this version does not name.
+        passes fields this version does not name. ``frame_ms`` (20, 40 or 60; None: the
+        server's 20) asks for longer frames: fewer messages for the same audio (pcm16, f32,
+        mulaw, opus).
         """
         fields = dict(voice=voice, format=format, sample_rate=sample_rate, speed=speed, seed=seed)
-        fields |= dict(temperature=temperature, top_p=top_p, top_k=top_k, text=text, **extra)
+        fields |= dict(temperature=temperature, top_p=top_p, top_k=top_k, text=text, frame_ms=frame_ms)
+        fields |= extra
         return self._stream(stream_id, fields)
 
     async def open_stream(
@@ -157,6 +161,7 @@ class Client:
         seed: int | None = None,
         max_buffer_delay_ms: int | None = None,
         stream_id: str | None = None,
+        frame_ms: int | None = None,
         **extra: Any,
     ) -> SpeechStream:
         """Start an incremental stream: feed it with ``append``/``flush``/``end`` while iterating its audio.
@@ -165,7 +170,8 @@ class Client:
             ChatTTSStreamError: the server refused the stream.
         """
         fields = dict(voice=voice, format=format, sample_rate=sample_rate, seed=seed, incremental=True)
-        fields |= dict(max_buffer_delay_ms=max_buffer_delay_ms, text=text or None, **extra)
+        fields |= dict(max_buffer_delay_ms=max_buffer_delay_ms, text=text or None, frame_ms=frame_ms)
+        fields |= extra
         return await self._stream(stream_id, fields).start()
 
     async def synthesize(self, text: str, **options: Any) -> bytes:

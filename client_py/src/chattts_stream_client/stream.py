@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from chattts_stream_client.errors import (
     ChatTTSStreamError,
@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 
 Phase = Literal["pending", "starting", "live", "detached", "done", "failed", "cancelled"]
 _END = object()  # queued after a stream's last chunk
+#: :meth:`SpeechStream.buffered`'s start threshold when the server gives no advice.
+DEFAULT_BUFFER_MS = 300.0
+#: A frame's audio (docs/protocol.md: 20 ms frames but the last).
+FRAME_MS = 20.0
+_N = TypeVar("_N", int, float)
+
+
+def _number(value: object, kind: type[_N]) -> _N | None:
+    """A JSON number of the server's advice, or None (absent, or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
+    return kind(value)
 
 
 class SpeechStream:
@@ -49,8 +61,16 @@ class SpeechStream:
         self.sample_rate: int = int(start.get("sample_rate", 24_000))
         #: Opus only: decoded samples to drop at the start (``started.preskip``).
         self.preskip = 0
+        #: Each frame's length in ms (``started.frame_ms``; the last frame may be shorter).
+        self.frame_ms: int = int(start.get("frame_ms") or 20)
         #: The stream's seed (``started.seed``: the one asked for, or the server's pick).
         self.seed: int | None = None
+        #: The server's advice (``started``; None from a server without it): audio to hold
+        #: before playing so the whole stream plays without a stall, the RTF it expects, and
+        #: what each further second of audio adds (for text an incremental stream has yet to send).
+        self.buffer_ms: int | None = None
+        self.expected_rtf: float | None = None
+        self.buffer_ms_per_s: int | None = None
         #: Why a resume could not promise the same audio (``resume_degraded``); None: it did.
         self.degraded: str | None = None
         #: Last seq taken with none missing before it: the ``after_seq`` of a resume.
@@ -127,6 +147,30 @@ class SpeechStream:
         if self.token is None and self.error is not None:
             raise self.error
         return self
+
+    async def buffered(self, min_buffer_ms: float = DEFAULT_BUFFER_MS) -> AsyncIterator[AudioChunk]:
+        """The chunks, the first ones held until playback can start without a stall.
+
+        Nothing is yielded until the audio received reaches ``max(min_buffer_ms,
+        buffer_ms)`` (the server's advice; ``min_buffer_ms`` alone from a server without
+        it) or the stream ended; then everything received goes out, and later chunks as they
+        come. A player that starts on the first chunk this yields and plays at real time
+        hears a later start instead of stutter when the server is slower than real time.
+        """
+        threshold_ms = max(min_buffer_ms, self.buffer_ms or 0)
+        held: list[AudioChunk] | None = []
+        async for chunk in self:
+            if held is None:
+                yield chunk
+                continue
+            held.append(chunk)
+            audio_ms = 1000.0 * (chunk.sample - held[0].sample) / self.sample_rate + FRAME_MS
+            if chunk.last or audio_ms >= threshold_ms:
+                for taken in held:
+                    yield taken
+                held = None
+        for taken in held or ():
+            yield taken  # the stream ended (or failed) before the threshold
 
     async def read_all(self) -> bytes:
         """Every chunk's payload, concatenated (a whole file for ogg/mp3/flac, samples for PCM)."""
@@ -229,6 +273,10 @@ class SpeechStream:
         self.format = str(message.get("format", self.format))
         self.sample_rate = int(message.get("sample_rate", self.sample_rate))
         self.preskip = int(message.get("preskip", 0))
+        self.frame_ms = _number(message.get("frame_ms"), int) or self.frame_ms
+        self.buffer_ms = _number(message.get("buffer_ms"), int)
+        self.expected_rtf = _number(message.get("expected_rtf"), float)
+        self.buffer_ms_per_s = _number(message.get("buffer_ms_per_s"), int)
         if self.phase == "starting":
             self.phase = "live"
         self._started.set()

@@ -26,7 +26,10 @@ A :class:`StreamDecoder` plans its window (:meth:`StreamDecoder.plan`) and
 finishes it from the decoded samples (:meth:`StreamDecoder.finish`), so the
 engine can decode the windows of all its rows in one batched call
 (:mod:`server.engine.chattts.vocode`); :meth:`StreamDecoder.pull` does both
-for one row.
+for one row. The engine keeps the states in a device ring instead
+(:mod:`server.engine.chattts.step.ring`): its rows' decoders only count tokens
+(:meth:`StreamDecoder.advance`) and plan spans (:meth:`StreamDecoder.span`), the same
+windows by token index.
 """
 
 from __future__ import annotations
@@ -67,6 +70,23 @@ def make_decode_fn(decoder: torch.nn.Module, vocos: Any) -> DecodeFn:
         return out
 
     return decode
+
+
+@dataclass(frozen=True)
+class DecodeSpan:
+    """One row's next decode by token index: tokens ``[start_token, start_token + tokens)``.
+
+    Attributes:
+        start_token: the window's first token.
+        tokens: the window's length (to the newest token).
+        end: emit samples up to here (stream sample index).
+        final: the stream ends with this window.
+    """
+
+    start_token: int
+    tokens: int
+    end: int
+    final: bool
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,13 @@ class StreamDecoder:
             self._chunks.append(hiddens)
             self.n_tokens += int(hiddens.shape[0])
 
+    def advance(self, tokens: int) -> None:
+        """Count ``tokens`` new audio tokens whose states are kept elsewhere (a decode ring).
+
+        Such a decoder plans :meth:`span` s, not windows: it holds no states.
+        """
+        self.n_tokens += tokens
+
     def _window(self, start: int) -> torch.Tensor:
         if self._chunks:
             parts = ([self._buf] if self._buf is not None else []) + self._chunks
@@ -135,17 +162,27 @@ class StreamDecoder:
             self._buf = self._buf[token - self._buf_start :].clone()
             self._buf_start = token
 
-    def plan(self, *, final: bool) -> DecodeWindow | None:
-        """The window to decode now: audio up to the hold-back (all when ``final``); ``None``: nothing."""
+    def span(self, *, final: bool) -> DecodeSpan | None:
+        """The tokens to decode now: audio up to the hold-back (all when ``final``); ``None``: nothing."""
         total = samples_for_tokens(self.n_tokens)
         end = total if final else total - SAMPLES_PER_TOKEN * self.holdback_tokens
         if end <= self.emitted:
             return None
         start_tok = max(0, self.emitted // SAMPLES_PER_TOKEN - self.context_tokens)
-        return DecodeWindow(hiddens=self._window(start_tok), start_token=start_tok, end=end, final=final)
+        return DecodeSpan(start_token=start_tok, tokens=self.n_tokens - start_tok, end=end, final=final)
 
-    def finish(self, window: DecodeWindow, wav: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """The new audio, given ``wav`` = the one-shot decode of ``window.hiddens``."""
+    def plan(self, *, final: bool) -> DecodeWindow | None:
+        """:meth:`span` with the span's states (pushed with :meth:`push`); ``None``: nothing to decode."""
+        span = self.span(final=final)
+        if span is None:
+            return None
+        hiddens = self._window(span.start_token)
+        return DecodeWindow(hiddens=hiddens, start_token=span.start_token, end=span.end, final=final)
+
+    def finish(
+        self, window: DecodeWindow | DecodeSpan, wav: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32]:
+        """The new audio, given ``wav`` = the one-shot decode of the window's tokens."""
         offset = SAMPLES_PER_TOKEN * window.start_token
         end = window.end
         seg = wav[self.emitted - offset : end - offset].copy()

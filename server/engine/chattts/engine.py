@@ -5,7 +5,8 @@ tokens, quadratic re-decode with seams, one cursor and one interrupt flag for
 a whole batch), so this engine uses only ChatTTS's loaded modules (Llama,
 embeddings, heads, tokenizer, speaker statistics, Decoder, Vocos) and runs:
 
-* per-sequence prefill inside :meth:`ChatTTSEngine.step`, straight into its own KV slot (:mod:`.step.kv`);
+* prefill inside :meth:`ChatTTSEngine.step`, a step's newcomers together, each into its own KV slot
+  (:mod:`.step.prefill`, :mod:`.step.kv`);
 * blocks of token steps (:mod:`.step.runner`) over the slots (:mod:`.step.token_step`, the Llama
   in :mod:`.step.llama` on the projections of :mod:`.step.linear`), eagerly, as CUDA graphs
   (:mod:`.step.graphs`) or compiled on the CPU (:mod:`.step.compiled`), sampling on the device
@@ -97,7 +98,8 @@ class ChatTTSEngine:
             voice_seconds=voice_seconds,
             transcript_tokens=options.transcript_tokens,
         )
-        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, device)
+        # Prompt ids stay on the host: the prefill stages a step's newcomers there and uploads them once.
+        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, torch.device("cpu"))
         #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
         self.refiner: Refiner = TextRefiner(chat, device=device)
         #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
@@ -114,7 +116,11 @@ class ChatTTSEngine:
             max_len=self.max_len,
             block_schedule=self.block_schedule,
             prefill_bucket=self.prefill_bucket,
+            prefill_tokens=options.prefill_tokens,
             quantum=options.quantum_for(device.type),
+            overlap=options.overlap_for(device.type),
+            context_tokens=options.context_tokens,
+            holdback_tokens=options.holdback_tokens,
             dtype=dtype,
             device=device,
             min_tokens=self.min_tokens,
@@ -309,18 +315,10 @@ class ChatTTSEngine:
         """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
         return self._batch.prefill_length(prompt_tokens)
 
-    def _prefill(self, row: Row) -> None:
-        """Embed the prompt (speaker included), pad it to its bucket, run it into a free slot."""
-        emb = self._chat.embed(row.input_ids, row.text_mask)
-        if row.speaker is not None:  # None: a voice from a recording ([empty_spk] + its codes)
-            spk_ids = self._chat.tokenizer.spk_emb_ids
-            self._chat.speaker.apply(emb, row.speaker, row.input_ids, spk_ids, self.device)
-        self._batch.prefill(row, emb)
-
     def _step(self, rows: list[Row]) -> list[StepResult]:
-        for row in rows:
-            if row.slot < 0:
-                self._prefill(row)
+        newcomers = [row for row in rows if row.slot < 0]
+        if newcomers:  # embedded (speaker included) and prefilled together, into free slots
+            self._batch.prefill(newcomers)
         results = self._batch.run(rows, self.token_tap, self.interrupt)
         for result in results:
             if result.finished:
@@ -353,7 +351,7 @@ class ChatTTSEngine:
     def warmup(self) -> None:
         """Meet every shape serving will meet before the first request does.
 
-        The first call prefills every prompt bucket up to the longest expected prompt and runs
+        The first call prefills every (rows, prompt bucket) up to the longest expected prompt and runs
         (on CUDA: captures) the token step at every (batch, length) bucket; every call then
         runs one short sequence through every block size (allocations, kernels, numba).
         """
@@ -362,7 +360,7 @@ class ChatTTSEngine:
             with torch.inference_mode():
                 # Without buckets (1) every length is its own shape: too many to warm, so none are.
                 if self.prefill_bucket > 1:
-                    self._batch.warm_prefill(self.longest_prompt, self.device)
+                    self._batch.warm_prefill(self.longest_prompt)
                 if self._info.refine:  # the refinement's own path (HF Llama with a growing cache)
                     self.refiner.start([RefineRow("warm up", seed=0)], self.refine_params).advance(4)
             self._batch.kv.trim()  # the steps above wrote into free slots: hand those pages back

@@ -49,6 +49,13 @@ class EngineOptions:
     that a read per token costs nothing and a command waits one token at most. A value given
     must divide every block of ``block_schedule``, so the decode windows stay as they are."""
 
+    overlap_quanta: bool | None = None
+    """Launch quantum n+1 before reading quantum n's summary (``--overlap-quanta``,
+    :mod:`server.engine.chattts.step.quanta`): the host's read and decisions run while the device
+    steps. A row that ended runs one more quantum frozen, and a waiting command ends the block
+    after the quantum in flight. ``None``: on on CUDA, off on the CPU, where a launch runs the
+    quantum before it returns, so there is nothing to overlap and only the extra quantum to pay."""
+
     default_voice: str = "seed:2"
     """What voice ``"default"`` is (``seed:N`` or a speaker string)."""
 
@@ -71,6 +78,12 @@ class EngineOptions:
     prefill_bucket: int = 16
     """Prompts are padded up to a multiple of this many tokens, so the kernels see a few prefill
     shapes instead of one per prompt length (1: no padding)."""
+
+    prefill_tokens: int | None = None
+    """Tokens (rows × padded length) one prefill call holds at most: a step's newcomers of one
+    prompt bucket are prefilled together in calls of 1, 2, 4, ... rows within it (a longer prompt
+    runs alone). It bounds a call's activations and the prefill shapes warm-up runs. ``None``:
+    512 on the CPU, 8192 on CUDA (:mod:`server.engine.chattts.step.prefill`)."""
 
     warmup_prompt_chars: int = 120
     """The longest segment the server sends (``--segment-max-chars``): warm-up prefills every
@@ -134,6 +147,8 @@ class EngineOptions:
             )
         if self.prefill_bucket < 1:
             raise ValueError(f"prefill_bucket {self.prefill_bucket}: must be at least 1 (1: no padding)")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens {self.prefill_tokens}: must be at least 1")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch}: must be at least 1 (KV slots)")
         if self.segment_max_tokens < 1:
@@ -151,6 +166,12 @@ class EngineOptions:
         if device_type != "cuda":
             return 1
         return math.gcd(CUDA_QUANTUM, *self.block_schedule)
+
+    def overlap_for(self, device_type: str) -> bool:
+        """Whether quanta overlap on a device of type ``device_type``: ``overlap_quanta``, or its default."""
+        if self.overlap_quanta is not None:
+            return self.overlap_quanta
+        return device_type == "cuda"
 
     @property
     def transcript_tokens(self) -> int:

@@ -30,6 +30,7 @@ samples (38 dB from float32's on random weights), never tokens:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,10 @@ class BatchVocoder:
             return None
         return (args[0] * self._mask, *args[1:])
 
+    def padded_tokens(self, lengths: list[int]) -> int:
+        """The batch's length for windows of ``lengths`` tokens: the longest, up to ``token_multiple``."""
+        return -(-max(lengths) // self.token_multiple) * self.token_multiple
+
     def decode(self, windows: list[torch.Tensor]) -> list[npt.NDArray[np.float32]]:
         """Each window's one-shot decode: ``samples_for_tokens(T_i)`` float32 samples per row.
 
@@ -123,20 +128,37 @@ class BatchVocoder:
         similar length: on the CPU, compute grows with the padded length, so a newcomer's
         8-token window is not padded to a steady row's 52.
         """
-        out: list[npt.NDArray[np.float32]] = [np.zeros(0, dtype=np.float32)] * len(windows)
-        for group in decode_groups([int(w.shape[0]) for w in windows], self.max_waste):
-            for index, wav in zip(group, self._decode_together([windows[i] for i in group]), strict=True):
+
+        def pad(group: list[int], tokens: int) -> torch.Tensor:
+            first = windows[group[0]]
+            x = first.new_zeros((len(group), tokens, first.shape[1]), dtype=self.dtype)
+            for row, i in enumerate(group):
+                x[row, : windows[i].shape[0]] = windows[i]
+            return x
+
+        return self.decode_gathered([int(w.shape[0]) for w in windows], pad)
+
+    def decode_gathered(
+        self, lengths: list[int], gather: Callable[[list[int], int], torch.Tensor]
+    ) -> list[npt.NDArray[np.float32]]:
+        """:meth:`decode` for windows of ``lengths`` tokens that ``gather`` brings in, padded.
+
+        ``gather(indices, tokens)``: the windows ``indices`` as ``(len(indices), tokens, hidden)``,
+        zero past each one's length (a decode ring does it in one indexed gather on the device).
+        """
+        out: list[npt.NDArray[np.float32]] = [np.zeros(0, dtype=np.float32)] * len(lengths)
+        for group in decode_groups(lengths, self.max_waste):
+            part = [lengths[i] for i in group]
+            x = gather(group, self.padded_tokens(part))
+            for index, wav in zip(group, self._decode_padded(x, part), strict=True):
                 out[index] = wav
         return out
 
-    def _decode_together(self, windows: list[torch.Tensor]) -> list[npt.NDArray[np.float32]]:
-        lengths = [int(w.shape[0]) for w in windows]
-        tokens = -(-max(lengths) // self.token_multiple) * self.token_multiple
-        first = windows[0]
-        x = first.new_zeros((len(windows), tokens, first.shape[1]), dtype=self.dtype)
-        for row, window in enumerate(windows):
-            x[row, : lengths[row]] = window
-        self.shapes.add((len(windows), tokens))
+    def _decode_padded(self, x: torch.Tensor, lengths: list[int]) -> list[npt.NDArray[np.float32]]:
+        """The batched call on ``x`` ``(rows, tokens, hidden)``, row ``i`` real up to ``lengths[i]``."""
+        x = x.to(self.dtype)
+        rows, tokens = int(x.shape[0]), int(x.shape[1])
+        self.shapes.add((rows, tokens))
         frames = FRAMES_PER_TOKEN * tokens
         valid = torch.tensor(lengths, device=x.device).mul_(FRAMES_PER_TOKEN)
         mask = (torch.arange(frames, device=x.device).unsqueeze(0) < valid.unsqueeze(1)).to(torch.float32)

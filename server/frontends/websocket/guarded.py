@@ -13,7 +13,8 @@ An admitted connection is not read while more than a bound waits unsent for it
 ``data_received`` whatever its write buffer holds, so without this a peer that floods pings
 and never reads the pongs grows the server's memory by all it sends. The
 library's own read pausing (``max_queue``, through the transport it is given) composes with
-it in :class:`~server.frontends.flow.FlowTransport`.
+it in :class:`~server.frontends.flow.FlowTransport`, and the writes made in one turn of the
+event loop leave together (:mod:`server.frontends.websocket.coalesce`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from websockets.asyncio.server import ServerConnection
 
 from server.frontends.flow import FlowTransport
 from server.frontends.ports import PortGuard, refuse
+from server.frontends.websocket.coalesce import CoalescingTransport
 
 _BODY: Final = b"too many connections\n"
 #: What a connection over the cap reads.
@@ -48,7 +50,8 @@ def guarded_connections(guard: PortGuard) -> type[ServerConnection]:
             if guard.admit(None) is not None:
                 self._refused = refuse(transport, REFUSAL, guard)
                 return
-            self._flow = FlowTransport(cast(asyncio.Transport, transport))
+            # Its writes of one loop turn leave in one system call (coalesce.py).
+            self._flow = CoalescingTransport(cast(asyncio.Transport, transport))
             super().connection_made(self._flow)
 
         def data_received(self, data: bytes) -> None:

@@ -111,7 +111,8 @@ class ConnectionProtocol:
 
     def hello(self) -> str:
         """The first message."""
-        return wire.hello(self._info, self._service.catalog.names(self._owner))
+        advice = self._service.pace.advice(joining=True)  # for one more stream now
+        return wire.hello(self._info, self._service.catalog.names(self._owner), advice)
 
     @property
     def attached(self) -> dict[str, Attachment]:
@@ -180,7 +181,10 @@ class ConnectionProtocol:
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
-        started = wire.started(msg.id, attachment.slot, *_audio_of(stream), stream.seed)
+        advice = service.pace.advice(msg.text or None)  # the start's text: all of it, unless incremental
+        started = wire.started(
+            msg.id, attachment.slot, *_audio_of(stream), stream.seed, advice, frame_ms=request.frame_ms
+        )
         return [Send(started), StartPump(attachment, stream.outbox.sent_index)]
 
     def _resume(self, msg: Resume) -> list[Action]:

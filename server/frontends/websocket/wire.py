@@ -6,13 +6,12 @@ also where domain errors (``server.errors``) get their wire codes
 (:func:`server.frontends.codes.code_of`), shared with the other front ends.
 Validation of client messages is done by ``msgspec`` (typed structs with a
 ``type`` tag), which gives precise messages such as
-``Expected `str`, got `int` - at `$.id```.
+``Expected `str`, got `int` - at `$.id```. The binary half, the 12-byte header in front of
+every audio frame, is :mod:`server.frontends.websocket.header` (re-exported here).
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
 import msgspec
@@ -20,16 +19,32 @@ import msgspec
 from server import errors
 from server.frontends import messages
 from server.frontends.codes import code_of
-from server.frontends.common import RefinePrompt, Seed, ServerInfo, Speed, Temperature, TopK, TopP
+from server.frontends.common import (
+    FrameMs,
+    RefinePrompt,
+    Seed,
+    ServerInfo,
+    Speed,
+    Temperature,
+    TopK,
+    TopP,
+)
 from server.frontends.messages import BadMessage
-from server.streams.items import Done, Frame, SegmentMark, Words
+from server.frontends.websocket.header import (  # re-exported: the wire's binary half
+    FLAG_LAST as FLAG_LAST,
+)
+from server.frontends.websocket.header import (
+    FLAG_SEGMENT_START as FLAG_SEGMENT_START,
+)
+from server.frontends.websocket.header import HEADER as HEADER
+from server.frontends.websocket.header import HEADER_SIZE as HEADER_SIZE
+from server.frontends.websocket.header import PROTOCOL_VERSION as PROTOCOL_VERSION
+from server.frontends.websocket.header import FrameHeader as FrameHeader
+from server.frontends.websocket.header import frame as frame
+from server.frontends.websocket.header import unpack_frame as unpack_frame
+from server.streams.items import Done, SegmentMark, Words
+from server.streams.pace import Advice
 from server.streams.request import SpeechRequest
-
-PROTOCOL_VERSION: Final = 1
-HEADER = struct.Struct("<BBHII")
-HEADER_SIZE: Final = HEADER.size  # 12
-FLAG_LAST: Final = 0x01
-FLAG_SEGMENT_START: Final = 0x02
 
 # Stream ids are client strings; bound them so they cannot bloat replies.
 MAX_ID_CHARS: Final = 128
@@ -96,6 +111,7 @@ class Start(_Message, tag="start", frozen=True):
     refine: bool = False
     refine_prompt: RefinePrompt = ""
     word_timestamps: bool = False
+    frame_ms: FrameMs = 20
 
 
 class Cancel(_Message, tag="cancel", frozen=True):
@@ -163,6 +179,8 @@ def parse_client_message(raw: str | bytes, *, max_depth: int = 32) -> ClientMess
 def _describe(text: str) -> str:
     if "`$.type`" in text or "Object missing required field `type`" in text:
         return f"unknown or missing message type ({text}); expected one of {sorted(_TYPES)}"
+    if text.endswith(".frame_ms`"):  # msgspec says "Invalid enum value 30": name the choices
+        return f"invalid message: {text}; frame_ms is one of 20, 40, 60"
     return f"invalid message: {text}"
 
 
@@ -198,6 +216,7 @@ def speech_request(msg: Start) -> SpeechRequest:
         refine=msg.refine,
         refine_prompt=msg.refine_prompt,
         word_timestamps=msg.word_timestamps,
+        frame_ms=msg.frame_ms,
     )
 
 
@@ -211,10 +230,11 @@ def encode(message: dict[str, Any]) -> str:
     return _encoder.encode(message).decode("utf-8")
 
 
-def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
+def hello(info: ServerInfo, voices: tuple[str, ...], advice: Advice | None = None) -> str:
     """The first message on every connection (``weights`` and ``compute`` when the engine says them).
 
-    ``voices``: the voice names now (voices made from recordings come and go).
+    ``voices``: the voice names now (voices made from recordings come and go); ``advice``:
+    the pace a stream started now would have (absent until the server measured one).
     """
     message: dict[str, Any] = {
         "type": "hello",
@@ -232,15 +252,21 @@ def hello(info: ServerInfo, voices: tuple[str, ...]) -> str:
         message["weights"] = info.weights
     if info.compute:
         message["compute"] = dict(info.compute)
+    if advice is not None:
+        message |= advice.fields()
     return encode(message)
 
 
 def started(
-    name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int, seed: int | None = None
-) -> str:
+    name: str, slot: int, token: str, fmt: str, sample_rate: int, preskip: int,
+    seed: int | None = None, advice: Advice | None = None, frame_ms: int = 20,
+) -> str:  # fmt: skip
     """The answer to ``start``; ``preskip`` only for raw Opus (decoded samples to drop first).
 
-    ``seed``: the stream's seed (the client's, or the one the server picked).
+    ``frame_ms``: the stream's frame length (the ``start``'s, 20 unless it asked for another).
+
+    ``seed``: the stream's seed (the client's, or the one the server picked); ``advice``:
+    how much the listener should buffer (docs/protocol.md, "How much to buffer").
     """
     message: dict[str, Any] = {
         "type": "started",
@@ -249,12 +275,14 @@ def started(
         "stream": token,
         "format": fmt,
         "sample_rate": sample_rate,
-        "frame_ms": 20,
+        "frame_ms": frame_ms,
     }
     if preskip:
         message["preskip"] = preskip
     if seed is not None:
         message["seed"] = seed
+    if advice is not None:
+        message |= advice.fields()
     return encode(message)
 
 
@@ -339,12 +367,6 @@ def done(name: str, slot: int, item: Done) -> str:
     )
 
 
-def frame(slot: int, item: Frame) -> bytes:
-    """An audio frame with its 12-byte header, ready to send as one binary message."""
-    flags = (FLAG_LAST if item.last else 0) | (FLAG_SEGMENT_START if item.segment_start else 0)
-    return HEADER.pack(PROTOCOL_VERSION, flags, slot, item.position, item.sample) + item.payload
-
-
 def error(err: ProtocolError) -> str:
     """An ``error`` message for ``err``."""
     message: dict[str, Any] = {"type": "error", "code": err.code, "message": err.message}
@@ -355,38 +377,3 @@ def error(err: ProtocolError) -> str:
     if err.token is not None:  # resume errors name the token the client sent
         message["stream"] = err.token
     return encode(message)
-
-
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
-    """The 12-byte header in front of every binary audio frame."""
-
-    flags: int
-    slot: int
-    seq: int
-    sample: int
-    version: int = PROTOCOL_VERSION
-
-    @property
-    def last(self) -> bool:
-        """Whether this is the stream's last frame."""
-        return bool(self.flags & FLAG_LAST)
-
-    @property
-    def segment_start(self) -> bool:
-        """Whether a new text segment starts in this frame."""
-        return bool(self.flags & FLAG_SEGMENT_START)
-
-
-def unpack_frame(frame: bytes) -> tuple[FrameHeader, bytes]:
-    """Split a binary message into its header and payload.
-
-    Raises:
-        ValueError: shorter than the header or an unknown version.
-    """
-    if len(frame) < HEADER_SIZE:
-        raise ValueError(f"frame of {len(frame)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    version, flags, slot, seq, sample = HEADER.unpack_from(frame)
-    if version != PROTOCOL_VERSION:
-        raise ValueError(f"unknown frame version {version}")
-    return FrameHeader(flags=flags, slot=slot, seq=seq, sample=sample, version=version), frame[HEADER_SIZE:]

@@ -201,10 +201,13 @@ class SlotKV:
             start = (layer_kv * self.slots + slot) * self._slot_bytes
             self._pages.release(start, start + self._slot_bytes)
 
-    def prefill_view(self, slot: int, length: int) -> PrefillCache:
-        """A cache that writes a prefill's ``length`` positions into ``slot``."""
-        self.cover(slot, length)
-        return PrefillCache(self, slot, length)
+    def prefill_view(self, slots: torch.Tensor, length: int) -> PrefillCache:
+        """A cache that writes a prefill's ``length`` positions into ``slots[i]`` for batch row ``i``.
+
+        ``slots`` is device data (a captured prefill allocates nothing from host data): the
+        caller notes the positions (:meth:`cover`) on the host, where it chose the slots.
+        """
+        return PrefillCache(self, slots, length)
 
     def step_view(self, rows: torch.Tensor, positions: torch.Tensor, length: int) -> StepCache:
         """A cache that writes one position per row (``positions``) and attends over ``[0, length)``.
@@ -216,11 +219,11 @@ class SlotKV:
 
 
 class PrefillCache(Cache):
-    """Writes positions ``[0, length)`` of one slot; attention sees exactly those (causal)."""
+    """Writes positions ``[0, length)`` of one slot per batch row; attention sees exactly those (causal)."""
 
-    def __init__(self, kv: SlotKV, slot: int, length: int) -> None:
+    def __init__(self, kv: SlotKV, slots: torch.Tensor, length: int) -> None:
         super().__init__(layers=[])
-        self._kv, self._slot, self._length = kv, slot, length
+        self._kv, self._slots, self._length = kv, slots, length
 
     def update(
         self,
@@ -229,13 +232,15 @@ class PrefillCache(Cache):
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy ``(1, heads, length, dim)`` states into the slot; attention uses them as they are.
+        """Copy ``(count, heads, length, dim)`` states into their slots by index; attend them as they are.
 
-        A fresh slot holds nothing before the prompt, so the states are all there is to attend.
+        One indexed copy for every row (no copy per row); a fresh slot holds nothing before the
+        prompt, so the states are all there is to attend.
         """
-        s, n = self._slot, self._length
-        self._kv.keys[layer_idx][s : s + 1, :, :n].copy_(key_states)
-        self._kv.values[layer_idx][s : s + 1, :, :n].copy_(value_states)
+        n = self._length
+        keys, values = self._kv.keys[layer_idx], self._kv.values[layer_idx]
+        keys[:, :, :n].index_copy_(0, self._slots, key_states.to(keys.dtype))
+        values[:, :, :n].index_copy_(0, self._slots, value_states.to(values.dtype))
         return key_states, value_states
 
 

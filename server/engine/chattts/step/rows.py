@@ -15,8 +15,8 @@ class Row:
     """One sequence as the engine holds it."""
 
     request: SequenceRequest
-    input_ids: torch.Tensor
-    text_mask: torch.Tensor
+    input_ids: torch.Tensor  # (1, n, num_vq), on the host: the prefill stages it (step/prefill.py)
+    text_mask: torch.Tensor  # (1, n), on the host
     speaker: torch.Tensor | None  # None: a voice from a recording ([empty_spk] + its codes)
     key: tuple[int, int]
     decoder: StreamDecoder

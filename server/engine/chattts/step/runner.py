@@ -1,24 +1,10 @@
-"""One engine step over KV-slot rows: prefill into a slot, the block of quanta, batched decode.
+"""One engine step over KV-slot rows: the slot machinery, prefill into slots, and its blocks.
 
-:class:`SlotBatch` owns the static machinery (KV slots, slot state, token
-step and its runner, batched vocoder) and runs one block for the rows it is
-given:
-
-1. ``begin_block`` marks the rows' slots as stepping (one small upload);
-2. the block is a whole number of quanta: a quantum is ``K`` token steps
-   (``runner.run(batch, length)``, a CUDA graph replay on a GPU) enqueued back to
-   back, with no read in between (a row that ends stops producing on the device);
-3. after each quantum, ONE read of the rows' ``produced``/``stepping``/``lengths``
-   (:mod:`.summary`): the block stops when no row steps, or when the core's
-   ``interrupt`` says a command waits; never inside a quantum;
-4. every row whose own block schedule says it is due (or that ended) plans its
-   decode window, and all windows go through one batched Decoder + Vocos call.
-
-A row decodes every ``block_schedule[k]`` tokens of its own, whatever the
-other rows do: the block a step runs is the fewest tokens any row needs to
-reach its next decode, so a newcomer's short first block no longer makes
-every other row decode (and re-decode context) after 8 tokens. The schedule's
-blocks are multiples of ``K``, so quanta leave every decode window as it was.
+:class:`SlotBatch` owns the static machinery (KV slots, slot state, token step and its
+runner, the decode ring and the batched vocoder) and runs one block for the rows it is given
+through :class:`.block.BlockLoop` (the block's quanta: :mod:`.quanta`; its decodes: the ring,
+:mod:`.ring`, and :mod:`server.engine.chattts.vocode`).
+Newcomers are prefilled first, together (:mod:`.prefill`).
 """
 
 from __future__ import annotations
@@ -27,24 +13,25 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
-from server.engine.chattts.decode import DecodeWindow
 from server.engine.chattts.step import decode_attention
+from server.engine.chattts.step.block import BlockLoop, TokenTap
 from server.engine.chattts.step.compiled import CompiledRunner
 from server.engine.chattts.step.graphs import CudaGraphRunner, EagerRunner, StepFn, StepRunner
 from server.engine.chattts.step.kv import (
     LENGTH_STEP,
     SlotKV,
     batch_buckets,
-    bucket_for,
     kv_dtype,
     length_buckets,
 )
+from server.engine.chattts.step.prefill import Prefill
+from server.engine.chattts.step.quanta import Interrupt, QuantumLoop
+from server.engine.chattts.step.ring import DecodeRing
+from server.engine.chattts.step.ring import ring_tokens as ring_tokens_for
 from server.engine.chattts.step.rows import Row, SlotLayout
-from server.engine.chattts.step.summary import BlockSummary, SummaryReader, upload
+from server.engine.chattts.step.summary import SummaryReader
 from server.engine.chattts.step.token_step import SlotState, TokenStep
 from server.engine.chattts.vocode import BatchVocoder
 from server.engine.chattts.vocode import vocoder_dtype as vocoder_dtype_of
@@ -54,13 +41,8 @@ __all__ = ["Interrupt", "Row", "RunnerFactory", "SlotBatch", "SlotLayout", "Toke
 
 log = logging.getLogger(__name__)
 
-#: ``(seq_id, codes (k, num_vq) long, hiddens (k, hidden) float32)`` of the k audio tokens a
-#: sequence accepted in one step (EOS excluded), on the CPU. Tests compare them with ChatTTS's own.
-TokenTap = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: Builds the step runner around the static step (tests pass a recording one).
 RunnerFactory = Callable[[StepFn], StepRunner]
-#: Asked after each quantum of a block but its last: True ends the block at that quantum boundary.
-Interrupt = Callable[[], bool]
 
 
 class SlotBatch:
@@ -70,6 +52,8 @@ class SlotBatch:
         llama: the loaded ``LlamaModel``.
         layout: sizes.
         head_w, code_w: ``(num_vq, V, hidden)`` float32 code heads and embeddings.
+        text_w: ``(text vocabulary, hidden)`` ChatTTS's text embedding (the prefill's).
+        speaker_token: the ``[spk_emb]`` id, where a prompt takes its speaker embedding.
         vocoder: the batched Decoder + Vocos.
         dtype, device: the Llama's.
         min_tokens: EOS is banned before this many tokens.
@@ -77,6 +61,10 @@ class SlotBatch:
         cuda_graphs: capture the step as CUDA graphs (on a CUDA device only).
         compile_step: compile the step with inductor (on the CPU only).
         step_runner: overrides the runner (tests).
+        overlap: launch quantum n+1 before reading quantum n (:mod:`.quanta`).
+        ring_tokens: the decode ring's tokens per slot (:func:`.ring.ring_tokens`; ``None``:
+            for the decoder's default context and hold-back).
+        prefill_tokens: tokens one prefill call holds at most (``None``: the device's default).
     """
 
     def __init__(
@@ -86,6 +74,8 @@ class SlotBatch:
         *,
         head_w: torch.Tensor,
         code_w: torch.Tensor,
+        text_w: torch.Tensor,
+        speaker_token: int,
         vocoder: BatchVocoder,
         dtype: torch.dtype,
         device: torch.device,
@@ -94,6 +84,9 @@ class SlotBatch:
         cuda_graphs: bool,
         compile_step: bool = False,
         step_runner: RunnerFactory | None = None,
+        overlap: bool = False,
+        ring_tokens: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> None:
         self.layout = layout
         compiled = step_runner is None and compile_step and device.type == "cpu"
@@ -132,8 +125,40 @@ class SlotBatch:
             # compiled on the CPU: batches read each row only as far as it reaches, where it builds
             attend=decode_attention.step_attention if compiled and decode_attention.load() else None,
         )
+        self.prefiller = Prefill.build(
+            llama,
+            self.kv,
+            self.state,
+            layout,
+            text_w=text_w,
+            code_w=code_w,
+            speaker_token=speaker_token,
+            dtype=dtype,
+            budget=prefill_tokens,
+            cuda_graphs=cuda_graphs and step_runner is None,
+        )
         self.vocoder = vocoder
         self.summaries = SummaryReader(layout.slots, device)
+        if ring_tokens is None:
+            ring_tokens = ring_tokens_for(
+                context_tokens=16, holdback_tokens=4, block_schedule=layout.block_schedule
+            )
+        self.ring = DecodeRing(layout.slots, ring_tokens, layout.hidden_size, device)
+        self.block = BlockLoop(
+            state=self.state,
+            kv=self.kv,
+            summaries=self.summaries,
+            ring=self.ring,
+            vocoder=vocoder,
+            quanta=QuantumLoop(
+                quantum=layout.quantum,
+                overlap=overlap,
+                length_buckets=self.length_buckets,
+                max_len=layout.max_len,
+            ),
+            batch_buckets=self.batch_buckets,
+            block_schedule=layout.block_schedule,
+        )
         if step_runner is not None:
             self.runner: StepRunner = step_runner(self.token_step)
         elif cuda_graphs and device.type == "cuda":
@@ -175,10 +200,13 @@ class SlotBatch:
             "kv_cache_bytes": str(self.kv.nbytes),
             "token_step": self.runner.kind,
             "quantum_tokens": str(self.layout.quantum),
+            "overlap_quanta": "on" if self.block.quanta.overlap else "off",
+            "decode_ring_tokens": str(self.ring.capacity),
             "attention": getattr(self.token_step.attend, "__name__", "custom"),
             "vocoder_dtype": str(self.vocoder.dtype).removeprefix("torch."),
             "batch_buckets": ",".join(map(str, self.batch_buckets)),
             "length_buckets": ",".join(map(str, self.length_buckets)),
+            **self.prefiller.describe(),
         }
         if self.runner_fallback is not None:
             facts["token_step_fallback"] = self.runner_fallback
@@ -200,6 +228,8 @@ class SlotBatch:
         prefill_bucket: int,
         quantum: int = 1,
         vocoder_dtype: str = "float32",
+        context_tokens: int = 16,
+        holdback_tokens: int = 4,
         **options: Any,
     ) -> SlotBatch:
         """The batch for a loaded ``Chat`` whose Llama (``llama``, already in its dtype) runs the steps.
@@ -207,7 +237,10 @@ class SlotBatch:
         ``quantum``: token steps between two host reads (:class:`.rows.SlotLayout`).
         ``vocoder_dtype``: the Decoder's and Vocos backbone's option (:func:`.vocode.vocoder_dtype`;
         they are converted in place).
-        ``options``: the constructor's keyword arguments other than ``head_w``, ``code_w`` and ``vocoder``.
+        ``context_tokens``, ``holdback_tokens``: the rows' decode windows (:class:`.decode.StreamDecoder`),
+        which size the decode ring.
+        ``options``: the constructor's keyword arguments but the weights, ``speaker_token``,
+        ``vocoder`` and ``ring_tokens``.
         """
         cfg, embed = llama.config, chat.embed
         heads, hidden = int(cfg.num_attention_heads), int(cfg.hidden_size)
@@ -228,63 +261,37 @@ class SlotBatch:
             # Stacked once: weight_norm would recompute each head's weight on every call.
             head_w = torch.stack([h.weight.detach().float() for h in embed.head_code]).contiguous()
             code_w = torch.stack([e.weight.detach().float() for e in embed.emb_code]).contiguous()
+            text_w = embed.emb_text.weight.detach()
         # One decode call for every due row on CUDA; on the CPU, rows of similar window lengths.
         cuda = options["device"].type == "cuda"
         waste = None if cuda else 0.25
         dtype = vocoder_dtype_of(vocoder_dtype, options["dtype"])
         vocoder = BatchVocoder(chat.decoder, chat.vocos, max_waste=waste, dtype=dtype)
-        return cls(llama, layout, head_w=head_w, code_w=code_w, vocoder=vocoder, **options)
+        ring = ring_tokens_for(
+            context_tokens=context_tokens, holdback_tokens=holdback_tokens, block_schedule=block_schedule
+        )
+        weights = {"head_w": head_w, "code_w": code_w, "text_w": text_w}
+        speaker = int(chat.tokenizer.spk_emb_ids)
+        return cls(
+            llama, layout, **weights, speaker_token=speaker, vocoder=vocoder, ring_tokens=ring, **options
+        )
 
     def prefill_length(self, prompt_tokens: int) -> int:
-        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket).
+        """The padded length a prompt of ``prompt_tokens`` tokens is prefilled at (its bucket)."""
+        return self.prefiller.length(prompt_tokens)
 
-        Never past the last position of a slot; never shorter than the prompt itself.
-        """
-        bucket, last = self.layout.prefill_bucket, self.layout.max_len - 1
-        return max(prompt_tokens, min(-(-prompt_tokens // bucket) * bucket, last))
-
-    def prefill(self, row: Row, emb: torch.Tensor) -> None:
-        """Run ``(1, n, hidden)`` prompt embeddings into a free slot, padded to their bucket.
+    def prefill(self, rows: list[Row]) -> None:
+        """Run newcomers' prompts into free slots: grouped by bucket, a few batched calls (:mod:`.prefill`).
 
         Padded because every distinct prefill length costs the CPU kernels (oneDNN primitives,
         allocator pools) memory that is never given back: one shape per prompt length made RSS
         climb by about 2 MiB per new length (``bench/results/studies/rss-shapes-epyc-2core.md``).
         """
-        real_length = int(emb.shape[1])
-        length = self.prefill_length(real_length)
-        if length > real_length:
-            emb = torch.cat([emb, emb.new_zeros((1, length - real_length, emb.shape[2]))], dim=1)
-        slot = self.kv.take()
-        try:
-            hidden = self.token_step.prefill(emb, slot, real_length)
-        except BaseException:
-            self.kv.give_back(slot)
-            raise
-        params = row.request.params
-        self.state.join(
-            slot,
-            hidden=hidden,
-            length=real_length,
-            max_tokens=row.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            key=row.key,
-            empty_code=self.layout.eos + 1,
-        )
-        row.slot, row.length = slot, real_length
+        self.prefiller.run(rows)
 
-    def warm_prefill(self, longest_prompt: int, device: torch.device) -> None:
-        """Prefill zeros once at every bucket length up to ``longest_prompt``'s, in a borrowed slot."""
-        bucket = self.layout.prefill_bucket
-        lengths = range(bucket, self.prefill_length(longest_prompt) + 1, bucket)
-        slot = self.kv.take()
-        try:
-            for length in lengths:
-                emb = torch.zeros((1, length, self.layout.hidden_size), device=device)
-                self.token_step.prefill(emb, slot, length)
-        finally:
-            self.kv.give_back(slot)
+    def warm_prefill(self, longest_prompt: int) -> None:
+        """Prefill once at every (rows, bucket length) up to ``longest_prompt``'s, in borrowed slots."""
+        self.prefiller.prepare(longest_prompt)
 
     def release(self, row: Row) -> None:
         """Free the row's slot (no other slot is touched) and its KV memory.
@@ -295,101 +302,16 @@ class SlotBatch:
         if row.slot >= 0:
             self.kv.give_back(row.slot)
             self.state.lengths[row.slot] = 0
+            self.ring.reset(row.slot)
             row.slot = -1
-
-    def _target(self, row: Row) -> int:
-        schedule = self.layout.block_schedule
-        return schedule[min(row.decodes, len(schedule) - 1)]
 
     def run(
         self, rows: list[Row], token_tap: TokenTap | None = None, interrupt: Interrupt | None = None
     ) -> list[StepResult]:
-        """One block for prefilled ``rows``; a row that ended is reported ``finished`` (and not released).
+        """One block for prefilled ``rows`` (:meth:`.block.BlockLoop.run`); ended rows are not released.
 
-        The block runs in quanta of ``layout.quantum`` token steps, each followed by the one host
-        read of the summary. ``interrupt`` returning True after a quantum ends the block there, so
-        that a newcomer (or a cancel) waits one quantum, not a whole block; it never cuts a
-        quantum short. A row decodes only at its own schedule's targets, so an early end changes
-        neither tokens nor audio: the rest of its block is the next one.
+        The block runs in quanta of ``layout.quantum`` token steps, each read once by the host.
+        ``interrupt`` returning True after a quantum ends the block after the quantum in flight,
+        so that a newcomer (or a cancel) waits a quantum or two, not a whole block.
         """
-        quantum = self.layout.quantum
-        block = min(self._target(r) - r.undecoded for r in rows)
-        quanta = max(1, -(-block // quantum))  # whole: the schedule's blocks are multiples of the quantum
-        batch = bucket_for(self.batch_buckets, max(r.slot for r in rows) + 1)
-        self.state.begin_block([r.slot for r in rows])
-        longest, t = max(r.length for r in rows), 0
-        for q in range(quanta):
-            for _ in range(quantum):  # enqueued back to back: no read inside a quantum
-                t += 1
-                self.runner.run(batch, bucket_for(self.length_buckets, min(longest + t, self.layout.max_len)))
-            summary = self._read(batch)  # the one device→host read per quantum
-            if not summary.any_alive or (interrupt is not None and q + 1 < quanta and interrupt()):
-                break
-        return self._end_block(rows, batch, summary, token_tap)
-
-    def _read(self, batch: int) -> BlockSummary:
-        st = self.state
-        return self.summaries.read(batch, st.produced, st.stepping, st.lengths)
-
-    def _end_block(
-        self, rows: list[Row], batch: int, summary: BlockSummary, token_tap: TokenTap | None
-    ) -> list[StepResult]:
-        """Hand each row its tokens' states (one gather for all); decode every row that is due in one call."""
-        st, produced, alive = self.state, summary.produced, summary.alive
-        for slot, length in enumerate(summary.lengths):  # every row of [0, batch) wrote at its length
-            self.kv.cover(slot, length + 1)
-        for row, hiddens in self._gather(rows, batch, produced):
-            row.decoder.push(hiddens)
-            if token_tap is not None:  # copies: the buffers are reused by the next block
-                codes = st.pending_codes[row.slot, : len(hiddens)].to("cpu", copy=True)
-                token_tap(row.request.seq_id, codes, hiddens.to("cpu", copy=True))
-        due: list[tuple[Row, bool]] = []
-        for row in rows:
-            row.length = summary.lengths[row.slot]
-            row.undecoded += produced[row.slot]
-            finished = not alive[row.slot]
-            if finished or row.undecoded >= self._target(row):
-                row.decodes += 1
-                row.undecoded = 0
-                due.append((row, finished))
-        audio = self._decode(due)
-        empty = np.zeros(0, dtype=np.float32)
-        return [
-            StepResult(
-                seq_id=row.request.seq_id,
-                audio=audio.get(row.request.seq_id, empty),
-                tokens=produced[row.slot],
-                finished=not alive[row.slot],
-            )
-            for row in rows
-        ]
-
-    def _gather(self, rows: list[Row], batch: int, produced: list[int]) -> list[tuple[Row, torch.Tensor]]:
-        """Each row that produced tokens with a copy of their states, all gathered in one device op.
-
-        One gather rather than a copy per row: the work between quanta must not grow with the
-        rows. The copy holds exactly the block's produced tokens (the buffers are reused by the
-        next block); each row keeps its part until it decodes.
-        """
-        made = [(row, produced[row.slot]) for row in rows if produced[row.slot]]
-        if not made:
-            return []
-        pending = self.state.pending_hidden
-        block = int(pending.shape[1])
-        index = upload([row.slot * block + i for row, k in made for i in range(k)], pending.device)
-        states = pending[:batch].flatten(0, 1).index_select(0, index)
-        parts = torch.split(states, [k for _, k in made])
-        return [(row, part) for (row, _), part in zip(made, parts, strict=True)]
-
-    def _decode(self, due: list[tuple[Row, bool]]) -> dict[int, npt.NDArray[np.float32]]:
-        """The decode stage: each due row plans its window, all go through one batched vocoder call."""
-        windows: list[tuple[Row, DecodeWindow]] = []
-        for row, finished in due:
-            window = row.decoder.plan(final=finished)
-            if window is not None:
-                windows.append((row, window))
-        if not windows:
-            return {}
-        wavs = self.vocoder.decode([w.hiddens for _, w in windows])
-        done = zip(windows, wavs, strict=True)
-        return {row.request.seq_id: row.decoder.finish(window, wav) for (row, window), wav in done}
+        return self.block.run(self.runner, rows, token_tap, interrupt)

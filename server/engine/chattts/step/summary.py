@@ -9,6 +9,12 @@ the CPU one ``tolist()``. Every decision of the block loop (stop when no row ste
 block for a waiting command, decode) is taken on that copy, so no other value is read
 back while a block runs.
 
+The read is two calls so that the block loop can overlap it with the next quantum
+(``--overlap-quanta``, :mod:`.quanta`): :meth:`SummaryReader.snapshot` enqueues the copy right
+behind quantum n's steps, and :meth:`SummaryReader.wait` reads it, after quantum n+1 has
+been launched. Two pinned buffers take turns, so quantum n+1's copy never lands in the
+buffer the host is reading.
+
 :func:`upload` sends host lists to the device without waiting: a plain ``torch.tensor(...,
 device="cuda")`` copies from pageable memory and synchronizes the stream, a hidden host
 sync per call.
@@ -41,38 +47,64 @@ class BlockSummary:
         return any(self.alive)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """One quantum's summary, copied on the device side and not read yet (:meth:`SummaryReader.wait`).
+
+    Attributes:
+        values: ``(3, batch)`` long: on the CPU a copy; on CUDA the pinned buffer it lands in.
+        event: on CUDA, recorded behind the copy; ``None`` on the CPU.
+    """
+
+    values: torch.Tensor
+    event: torch.cuda.Event | None
+
+
 class SummaryReader:
     """Reads ``produced``, ``stepping`` and ``lengths`` of slots ``[0, batch)`` in one transfer.
 
     Args:
-        slots: the number of slots (sizes the pinned buffer).
+        slots: the number of slots (sizes the pinned buffers).
         device: the state's device.
     """
 
     def __init__(self, slots: int, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._host: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        if self._cuda:
-            self._host = torch.empty(3 * slots, dtype=torch.long, pin_memory=True)
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._host: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+        if device.type == "cuda":  # two of each: quantum n+1's copy is queued while n's is read
+            self._host = [torch.empty(3 * slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
+        self._turn = 0
         #: Summaries read so far (tests and the engine's counters).
         self.reads = 0
+
+    def snapshot(
+        self, batch: int, produced: torch.Tensor, stepping: torch.Tensor, lengths: torch.Tensor
+    ) -> Snapshot:
+        """Copy the three ``(S,)`` tensors' first ``batch`` values now, in stream order; wait for nothing."""
+        summary = torch.stack([produced[:batch], stepping[:batch].long(), lengths[:batch]])
+        if not self._host:
+            return Snapshot(summary, None)  # the CPU: stack made a copy the next steps cannot touch
+        turn, self._turn = self._turn, 1 - self._turn
+        host = self._host[turn][: 3 * batch].view(3, batch)
+        host.copy_(summary, non_blocking=True)
+        event = self._events[turn]
+        event.record()
+        return Snapshot(host, event)
+
+    def wait(self, snapshot: Snapshot) -> BlockSummary:
+        """The one device→host read of a quantum: wait for its copy (CUDA) and read it."""
+        if snapshot.event is not None:
+            snapshot.event.synchronize()
+        made, alive, filled = snapshot.values.tolist()  # on CUDA a host tensor: no device access
+        self.reads += 1
+        return BlockSummary(made, alive, filled)
 
     def read(
         self, batch: int, produced: torch.Tensor, stepping: torch.Tensor, lengths: torch.Tensor
     ) -> BlockSummary:
-        """The one device→host read of a quantum: the three ``(S,)`` tensors' first ``batch`` values."""
-        summary = torch.stack([produced[:batch], stepping[:batch].long(), lengths[:batch]])
-        if self._host is not None and self._event is not None:
-            host = self._host[: 3 * batch].view(3, batch)
-            host.copy_(summary, non_blocking=True)
-            self._event.record()
-            self._event.synchronize()
-            summary = host
-        made, alive, filled = summary.tolist()  # on CUDA a host tensor: no device access
-        self.reads += 1
-        return BlockSummary(made, alive, filled)
+        """:meth:`snapshot` and :meth:`wait` at once: the summary of the quantum just enqueued."""
+        return self.wait(self.snapshot(batch, produced, stepping, lengths))
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:

@@ -23,15 +23,19 @@ from typing import Any
 import torch
 
 from server.engine.chattts.step.kv import SlotKV
-from server.engine.chattts.step.llama import Attention, attention_for, decode_layers, forward_layers
+from server.engine.chattts.step.llama import Attention, attention_for, decode_layers
 from server.engine.chattts.step.sampling import (
-    MIN_TEMPERATURE,
     PENALTY_WINDOW,
     RowSampling,
     counter_uniforms,
     sample_codes,
 )
 from server.engine.chattts.step.summary import upload
+
+#: The long per-slot settings a joining sequence brings, in :meth:`SlotState.join`'s column order.
+JOIN_INTS = ("lengths", "max_tokens", "top_k", "key0", "key1")
+#: Its float settings, in column order.
+JOIN_FLOATS = ("temperature", "top_p")
 
 
 @dataclass(eq=False)
@@ -117,28 +121,31 @@ class SlotState:
 
     def join(
         self,
-        slot: int,
+        slots: torch.Tensor,
         *,
         hidden: torch.Tensor,
-        length: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        key: tuple[int, int],
+        ints: torch.Tensor,
+        floats: torch.Tensor,
         empty_code: int,
     ) -> None:
-        """Give ``slot`` to a freshly prefilled sequence (no other row is touched)."""
-        self.hidden[slot].copy_(hidden)
-        self.history[slot].fill_(empty_code)
-        self.lengths[slot] = length
-        self.tokens[slot] = 0
-        self.max_tokens[slot] = max_tokens
-        self.temperature[slot] = max(MIN_TEMPERATURE, temperature)
-        self.top_p[slot] = min(1.0, max(0.0, top_p))
-        self.top_k[slot] = max(1, top_k)
-        self.key0[slot] = key[0]
-        self.key1[slot] = key[1]
+        """Give ``slots`` (a device index) to freshly prefilled sequences, one each; no other row is touched.
+
+        Indexed copies only, so that a captured prefill joins its rows in the same graph.
+
+        Args:
+            slots: ``(n,)`` long, the slots.
+            hidden: ``(n, hidden)`` float32, each sequence's state after its last prompt token.
+            ints: ``(n, 5)`` long, the columns of :data:`JOIN_INTS` (clamped already).
+            floats: ``(n, 2)`` float32, the columns of :data:`JOIN_FLOATS` (clamped already).
+            empty_code: the history's empty value.
+        """
+        self.hidden.index_copy_(0, slots, hidden)
+        self.history.index_fill_(0, slots, empty_code)
+        self.tokens.index_fill_(0, slots, 0)
+        for column, name in enumerate(JOIN_INTS):
+            getattr(self, name).index_copy_(0, slots, ints[:, column])
+        for column, name in enumerate(JOIN_FLOATS):
+            getattr(self, name).index_copy_(0, slots, floats[:, column])
 
     def begin_block(self, slots: list[int]) -> None:
         """Mark the rows of this block as stepping and clear the block's outputs."""
@@ -236,16 +243,3 @@ class TokenStep:
         cache = self.kv.step_view(st.slot_index[:b], lengths, length)
         out = decode_layers(self.llama, emb.unsqueeze(1).to(self.dtype), positions, cache, mask, self.attend)
         return out[:, -1].float()
-
-    def prefill(self, emb: torch.Tensor, slot: int, real_length: int) -> torch.Tensor:
-        """Run a (padded) prompt ``(1, n, hidden)`` into ``slot``; the state after its last real token.
-
-        Right padding needs no mask: attention is causal, so the real positions never see
-        the pad, and the pad's cache entries lie past ``real_length`` (masked, then overwritten).
-        """
-        length = int(emb.shape[1])
-        positions = torch.arange(length, device=emb.device).unsqueeze(0)
-        out = forward_layers(
-            self.llama, emb.to(self.dtype), positions, self.kv.prefill_view(slot, length), None
-        )
-        return out[0, real_length - 1].float()
