@@ -135,8 +135,10 @@ CMD []
 # The compiled CPU step (--compile-step on, this image's default): inductor builds the token
 # step's kernels with a C++ compiler, and the step's C++ attention
 # (server/engine/chattts/step/csrc) is built with ninja from the venv against the base's
-# Python headers. Without g++ the server would step eagerly. Both caches go on the weights
-# volume, so a restart reuses what was compiled (4 to 12 minutes on two cores the first time).
+# Python headers. Without g++ the server would step eagerly. The server keeps both in its
+# cache dir, /models/compiled (the weights volume), keyed by torch, CPU, model and step form,
+# so a restart reuses what was compiled (4 to 12 minutes on two cores the first time);
+# `docker run ... chattts-stream:cpu-compile compile` builds it ahead (docs/operations.md).
 # Everything else (user, ports, health check, entrypoint) is the cpu image's.
 FROM cpu AS cpu-compile
 USER 0:0
@@ -144,9 +146,7 @@ USER 0:0
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-ENV CHATTTS_COMPILE_STEP=on \
-    TORCHINDUCTOR_CACHE_DIR=/models/inductor \
-    TORCH_EXTENSIONS_DIR=/models/torch_extensions
+ENV CHATTTS_COMPILE_STEP=on
 USER 10001:10001
 
 FROM base AS gpu

@@ -1,4 +1,4 @@
-"""The ``chattts-stream`` command: ``serve``, ``make-dev-model`` and ``weights``."""
+"""The ``chattts-stream`` command: ``serve``, ``make-dev-model``, ``weights`` and ``compile``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from server.config import add_settings_arguments, settings_from_namespace
+from server.engine.compile_command import add_compile_command, run_compile
 from server.engine.weights.command import add_weights_command, run_weights
 
 
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     dev.add_argument("directory", type=Path, help="folder to write (created if missing)")
     add_weights_command(commands, os.environ)
+    add_compile_command(commands, os.environ)
     return parser
 
 
@@ -51,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "weights":
         return run_weights(args)
+    if args.command == "compile":
+        return run_compile(args)
     if args.command == "make-dev-model":
         from server.engine.chattts.devmodel import make_dev_model
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from server.config import OPENMP_VARIABLES, Settings
 from server.engine.chattts.options import EngineOptions
+from server.engine.weights.locate import cache_root
 
 
 def thread_environment(settings: Settings, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -28,6 +30,38 @@ def thread_environment(settings: Settings, env: Mapping[str, str] | None = None)
     if settings.omp_wait_policy == "passive":
         return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
     return {"OMP_WAIT_POLICY": settings.omp_wait_policy.upper()}
+
+
+def inherited_wait_policy(
+    settings: Settings, env: Mapping[str, str] | None = None
+) -> tuple[bool, str] | None:
+    """What to log when ``--omp-wait-policy auto`` keeps an inherited OpenMP wait (``None``: none inherited).
+
+    ``(costly, message)``: costly when the inherited setting makes idle threads sleep at once
+    (``OMP_WAIT_POLICY=PASSIVE`` without a spin count, or ``GOMP_SPINCOUNT=0``), which on a CPU of
+    the server's own makes every token step slower: a warning, with the flag that overrides it.
+    An explicit ``--omp-wait-policy`` overrides what was inherited, so it has nothing to report.
+    """
+    env = os.environ if env is None else env
+    inherited = {name: env[name] for name in OPENMP_VARIABLES if name in env}
+    if settings.omp_wait_policy != "auto" or not inherited:
+        return None
+    given = " ".join(f"{name}={value}" for name, value in inherited.items())
+    spin = inherited.get("GOMP_SPINCOUNT")
+    sleeps = spin == "0" or (spin is None and inherited.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE")
+    if not sleeps:
+        return False, f"OpenMP wait from the environment kept ({given}); --omp-wait-policy overrides it"
+    return True, (
+        f"OpenMP threads sleep at once ({given}, inherited from the environment, kept by "
+        "--omp-wait-policy auto): on a CPU of its own the token step is up to 1.8x slower (30.1 against "
+        "16.9 ms at batch 1 on two EPYC cores; one stream's RTF 2.5 against 1.3 in issue #46). Right "
+        "beside other busy processes; otherwise pass --omp-wait-policy active (or unset it)"
+    )
+
+
+def compiled_root(settings: Settings) -> Path:
+    """Where the compiled CPU step's artifacts live: ``<cache dir>/compiled`` (a volume in the images)."""
+    return cache_root(settings) / "compiled"
 
 
 def parse_cpus(text: str, available: frozenset[int]) -> frozenset[int]:
@@ -104,6 +138,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         segment_max_tokens=settings.segment_max_tokens,
         cuda_graphs=settings.cuda_graphs == "on",
         compile_step=settings.compile_step == "on",
+        compile_cache_dir=str(compiled_root(settings)),
         quantize=settings.quantize,
         vocoder_dtype=settings.vocoder_dtype,
         refine_max_tokens=settings.refine_max_tokens,

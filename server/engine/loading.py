@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from server.config import Settings
-from server.engine.flags import engine_options, parse_cpus, thread_environment
-from server.engine.weights.locate import hub_cache, locate
+from server.engine.flags import engine_options, inherited_wait_policy, parse_cpus, thread_environment
+from server.engine.weights.locate import cache_root, hub_cache, locate
 from server.errors import StartupError
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ def _available_cpus() -> frozenset[int]:
 
 def prepare_threads(settings: Settings) -> None:
     """Set what torch's threads read when torch loads (``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY``): not later."""
+    inherited = inherited_wait_policy(settings)
+    if inherited is not None:
+        costly, message = inherited
+        log.log(logging.WARNING if costly else logging.INFO, "%s", message)
     wanted = thread_environment(settings)
     if not wanted:
         return
@@ -69,6 +73,10 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         from server.engine.chattts.assets import ModelUnavailableError
         from server.engine.chattts.devmodel import make_dev_model
         from server.engine.chattts.engine import ChatTTSEngine
+        from server.engine.chattts.step.decode_attention import server_build_root
+
+        # The compiled step's C++ attention is built once into the cache dir (a volume), not ~/.cache.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(server_build_root(cache_root(settings))))
 
         # The same answer as `chattts-stream weights where`; the hub cache's snapshot is found (or
         # downloaded) by the loader, so only a folder named by a flag is taken from here.

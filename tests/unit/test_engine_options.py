@@ -6,6 +6,7 @@ import dataclasses
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_engine_options_maps_the_flags() -> None:
     flags = ["--block-schedule", "4,8", "--prefill-bucket", "32", "--segment-max-chars", "80"]
     flags += ["--max-batch", "3", "--segment-max-tokens", "900", "--cuda-graphs", "off"]
     flags += ["--refine-max-tokens", "0", "--voice-max-seconds", "5", "--compile-step", "on"]
-    flags += ["--vocoder-dtype", "float32", "--quantum-tokens", "2"]
+    flags += ["--vocoder-dtype", "float32", "--quantum-tokens", "2", "--cache-dir", "/var/cache/tts"]
     assert engine_options(load_settings(flags, env={})) == EngineOptions(
         block_schedule=(4, 8),
         quantum_tokens=2,
@@ -112,6 +113,7 @@ def test_engine_options_maps_the_flags() -> None:
         segment_max_tokens=900,
         cuda_graphs=False,
         compile_step=True,
+        compile_cache_dir="/var/cache/tts/compiled",  # beside the weights, in --cache-dir
         vocoder_dtype="float32",
         refine_max_tokens=0,
         voice_max_seconds=5.0,
@@ -132,7 +134,10 @@ def test_the_flags_defaults_are_the_engines() -> None:
     options = engine_options(load_settings([], env={}))
     # --max-batch 0 (the default) leaves the slots to the device: 16 on the CPU, the engine's default.
     transcript = transcript_limit(10.0)
-    assert options == dataclasses.replace(EngineOptions(), max_batch=None, voice_transcript_tokens=transcript)
+    expected = dataclasses.replace(EngineOptions(), max_batch=None, voice_transcript_tokens=transcript)
+    # The server always keeps a compiled step in its cache dir (the engine alone: inductor's default).
+    assert options == dataclasses.replace(expected, compile_cache_dir=options.compile_cache_dir)
+    assert options.compile_cache_dir == str(Path.home() / ".cache" / "chattts-stream" / "compiled")
     assert options.transcript_tokens == EngineOptions().transcript_tokens
 
 

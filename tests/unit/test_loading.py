@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -70,6 +71,34 @@ def test_openmp_threads_spin_briefly_unless_told_otherwise() -> None:
     assert load_settings([], env={"CHATTTS_OMP_SPIN_COUNT": "7"}).omp_spin_count == 7
     with pytest.raises(ModelUnavailable, match="--omp-spin-count -1"):
         chattts_engine_factory(load_settings(["--omp-spin-count", "-1"], env={}))
+
+
+def test_an_inherited_wait_policy_that_sleeps_is_logged_with_its_cost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #46: OMP_WAIT_POLICY=PASSIVE in the environment took one stream from RTF 1.3 to 2.5, silently."""
+    from server.engine.flags import inherited_wait_policy
+    from server.engine.loading import prepare_threads
+
+    auto, active = load_settings([], env={}), load_settings(["--omp-wait-policy", "active"], env={})
+    costly = inherited_wait_policy(auto, {"OMP_WAIT_POLICY": "passive"})
+    assert (
+        costly is not None and costly[0] and "--omp-wait-policy active" in costly[1] and "1.8x" in costly[1]
+    )
+    assert inherited_wait_policy(auto, {"GOMP_SPINCOUNT": "0"}) == (
+        True,
+        costly[1].replace("OMP_WAIT_POLICY=passive", "GOMP_SPINCOUNT=0"),
+    )
+    kept = inherited_wait_policy(auto, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"})
+    assert kept is not None and not kept[0]  # libgomp spins first: the server's own kind of wait
+    assert inherited_wait_policy(auto, {}) is None
+    assert inherited_wait_policy(active, {"OMP_WAIT_POLICY": "PASSIVE"}) is None  # the flag overrides it
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.INFO, "server.engine.loading"):
+        patch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        patch.delenv("GOMP_SPINCOUNT", raising=False)
+        prepare_threads(auto)
+    (record,) = [r for r in caplog.records if "OpenMP" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "OMP_WAIT_POLICY=PASSIVE" in record.getMessage()
 
 
 def test_the_wait_policy_is_in_the_environment_before_torch_loads(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from server.engine.chattts.prompt import PromptBuilder, PromptLimits
 from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
 from server.engine.chattts.refine_queue import RefineQueue
 from server.engine.chattts.setup import engine_info, kv_shape, log_engine_info, resolve_device, resolve_dtype
+from server.engine.chattts.step.compiled import use_compile_cache
 from server.engine.chattts.step.linear import prepare_projections
 from server.engine.chattts.step.runner import Interrupt, Row, RunnerFactory, SlotBatch, TokenTap
 from server.engine.chattts.step.sampling import seed_of, stream_key
@@ -129,6 +130,7 @@ class ChatTTSEngine:
             step_runner=step_runner,
             vocoder_dtype=options.vocoder_dtype,
         )
+        use_compile_cache(self._batch.runner, options, loaded.model_dir, dtype)
         self.num_vq, self.eos = self._batch.layout.num_vq, self._batch.layout.eos
         self._prepared = False
         self._seqs: dict[int, Row] = {}

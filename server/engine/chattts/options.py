@@ -104,6 +104,11 @@ class EngineOptions:
     """Compile the token step with ``torch.compile`` (inductor) at warm-up, on the CPU only
     (:mod:`server.engine.chattts.step.compiled`); a failed compile runs it eagerly."""
 
+    compile_cache_dir: str | None = None
+    """Where the compiled step's artifacts are kept across restarts, one folder per key
+    (:mod:`server.engine.chattts.step.compile_cache`); the server passes ``<cache dir>/compiled``.
+    ``None``: inductor's own default (``TORCHINDUCTOR_CACHE_DIR``, else a folder in ``/tmp``)."""
+
     quantize: str = "none"
     """``"int8"``: the GPT's projections as weight-only int8 (half the bytes a bf16 step reads;
     other tokens than without it); ``"w8a8"``: int8 weights times int8 activations, each row on its

@@ -17,8 +17,10 @@ on this project's 2-core AMD EPYC (full-size model, bf16): the step at batch 1 t
 against about 46; end to end 1.13x the audio per second at one stream and 1.06x at eight
 (``git show 715c3f5:bench/results/cpu_realtime_epyc_compiled.md``; today's runs:
 ``bench/results/cpu/``). Compiling
-takes 4 to 7 minutes at warm-up on those two cores (inductor keeps what it compiled on
-disk, in ``TORCHINDUCTOR_CACHE_DIR``, so a restart on the same machine compiles less).
+takes 4 to 7 minutes at warm-up on those two cores. With a :class:`~.compile_cache.CompileCache`
+(the engine gives one: the server's cache dir) inductor keeps what it compiled there, in a folder
+keyed by torch, the CPU, the model and the step's form, so a restart skips inductor's C++ compile
+(:mod:`server.engine.chattts.step.compile_cache` says what a restart still repeats).
 
 After warm-up the runner refuses to recompile (``fail_on_recompile``): a shape or guard
 warm-up did not meet runs that one step eagerly, logged once, instead of stalling every
@@ -29,11 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from server.engine.chattts.options import EngineOptions
+from server.engine.chattts.step.compile_cache import CompileCache, step_facts
 from server.engine.chattts.step.graphs import Shape, StepFn, lengths_by_batch
 
 log = logging.getLogger(__name__)
@@ -84,8 +89,14 @@ class CompiledRunner:
 
         self._compiled: StepFn = compiler(token_step, dynamic=True)
         self._prepared = False
+        self._cache: CompileCache | None = None
+        self._facts: dict[str, str] = {}
         #: Steps run eagerly because the compiled step would have had to recompile (should stay 0).
         self.misses = 0
+
+    def use_cache(self, cache: CompileCache, facts: Mapping[str, str]) -> None:
+        """At :meth:`prepare`, compile into ``cache``'s folder for ``facts`` (:func:`.step_facts`)."""
+        self._cache, self._facts = cache, dict(facts)
 
     def prepare(self, shapes: Sequence[Shape]) -> None:
         """Compile by running every batch size at its shortest and longest attention length.
@@ -93,17 +104,42 @@ class CompiledRunner:
         Raises whatever the compiler raised (no C++ compiler, an operator inductor cannot
         lower): the engine then falls back to the eager step, loudly.
         """
-        import torch._inductor.config as inductor_config
+        from torch._dynamo.utils import counters
 
         began = time.perf_counter()
+        hits, misses = (counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+        if self._cache is None:
+            self._compile(shapes)
+            where = "inductor's default cache"
+        else:
+            facts = {**self._facts, "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
+            with self._cache.open(facts) as folder:
+                self._compile(shapes)
+                self._cache.seal(folder, facts)
+            where = str(folder)
+        hits = counters["inductor"]["fxgraph_cache_hit"] - hits
+        misses = counters["inductor"]["fxgraph_cache_miss"] - misses
+        self._prepared = True
+        log.info(
+            "compiled the token step (inductor) in %.1f s: %d of %d graphs' code from %s%s",
+            time.perf_counter() - began,
+            hits,
+            hits + misses,
+            where,
+            # bf16 projections frozen into oneDNN tensors: inductor's FX-graph cache bypasses them
+            "" if hits + misses else " (inductor's cache bypassed this step: a restart compiles it again)",
+        )
+
+    def _compile(self, shapes: Sequence[Shape]) -> None:
+        """Run the shapes whose first calls compile the graphs."""
+        import torch._inductor.config as inductor_config
+
         # Compiling happens at these first calls, so freezing is patched in around them.
         # ``torch.compile(options={"freezing": True})`` did not freeze this step's weights:
         # the bf16 projections stayed unpacked, 38 ms at batch 1 against 22 ms frozen.
         with inductor_config.patch(freezing=True):
             for batch, length in compile_order(shapes):
                 self._compiled(batch, length)
-        self._prepared = True
-        log.info("compiled the token step (inductor) in %.1f s", time.perf_counter() - began)
 
     def run(self, batch: int, length: int) -> None:
         """One compiled step; eagerly if it would need a new compile."""
@@ -120,3 +156,13 @@ class CompiledRunner:
                 log.warning("the compiled step would recompile at %s: stepping eagerly", (batch, length))
             self.misses += 1
             self._step(batch, length)
+
+
+def use_compile_cache(runner: object, options: EngineOptions, model_dir: Path, dtype: torch.dtype) -> None:
+    """Give a compiled runner the engine's :class:`CompileCache` (``options.compile_cache_dir``), keyed.
+
+    Anything else (another runner, no cache dir) is left as it is.
+    """
+    if options.compile_cache_dir is not None and isinstance(runner, CompiledRunner):
+        facts = step_facts(model_dir=model_dir, dtype=dtype, quantize=options.quantize)
+        runner.use_cache(CompileCache(Path(options.compile_cache_dir)), facts)

@@ -14,7 +14,8 @@ batches of two rows or more (:func:`step_attention`).
 
 It is built with PyTorch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
 compiler and ninja, which the compiled step needs anyway) the first time a process asks for it,
-and cached in ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``): about 12 s
+and cached in ``TORCH_EXTENSIONS_DIR`` (the server's default: ``<cache dir>/compiled/torch_extensions``,
+a folder per Python and torch version, :func:`server_build_root`; on a volume in the images): about 12 s
 on two cores the first time, a load afterwards. Builds are serialized across processes by an
 ``flock``, under which a baton left by a killed build is removed (:func:`_build_lock`). A
 build that fails is logged once and the step keeps
@@ -101,11 +102,21 @@ def build_directory(name: str) -> Path:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
-        version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-        root = os.path.join(get_default_build_root(), version.replace("+", "_"))
+        root = os.path.join(get_default_build_root(), version_folder())
     directory = Path(root) / name
     directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def version_folder() -> str:
+    """``py311_torch2.13.0_cpu``: a library built against one Python's and torch's headers is kept apart."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    return version.replace("+", "_")
+
+
+def server_build_root(cache_root: Path) -> Path:
+    """The server's ``TORCH_EXTENSIONS_DIR`` when none is set: in its cache dir, beside the compiled step."""
+    return cache_root / "compiled" / "torch_extensions" / version_folder()
 
 
 @contextlib.contextmanager
