@@ -82,9 +82,13 @@ def instrument_engine(profile: Profile) -> None:
     import server.engine.chattts.engine as engine_module
 
     cls = engine_module.ChatTTSEngine
-    cls._prefill = profile.wrap("prefill", cls._prefill)  # type: ignore[method-assign]
+    if hasattr(cls, "_prefill"):  # before a step's newcomers were prefilled together
+        cls._prefill = profile.wrap("prefill", cls._prefill)  # type: ignore[method-assign]
     try:  # this tree: static step
         import server.engine.chattts.step.runner as block
+
+        if not hasattr(cls, "_prefill"):
+            block.SlotBatch.prefill = profile.wrap("prefill", block.SlotBatch.prefill)  # type: ignore[method-assign]
         import server.engine.chattts.step.token_step as step
 
         step.TokenStep._feed = profile.wrap("llama", step.TokenStep._feed)  # type: ignore[method-assign]

@@ -8,9 +8,9 @@ The engine stepped in-process exactly as :mod:`bench.baselines.engine` steps it 
 N jobs, each finished job replaced at once), with three of its calls timed from the outside:
 the token step (``runner.run``: one token for every row, compiled, captured or eager, timed
 per (batch, attention length) shape), the batched Decoder + Vocos call (``BlockLoop.decode``)
-and the prompt prefill (``ChatTTSEngine._prefill``). What is left of the wall time is the
-block's bookkeeping, sampling summaries and Python. Nothing is wrapped inside the compiled
-step, so the compiled graphs are the ones serving runs. One warm scenario of ``--warm-s``
+and the prompt prefill (``SlotBatch.prefill``: a step's newcomers together). What is left of
+the wall time is the block's bookkeeping, sampling summaries and Python. Nothing is wrapped
+inside the compiled step, so the compiled graphs are the ones serving runs. One warm scenario of ``--warm-s``
 precedes each measured one (rows at every length, as in steady state).
 
 Writes ``OUT.json`` and ``OUT.md``.
@@ -71,7 +71,7 @@ def instrument(engine: Any, timer: PartTimer) -> None:
     batch = engine._batch
     batch.runner.run = timer.wrap_step(batch.runner.run)
     batch.block.decode = timed(timer.seconds, "decode", batch.block.decode)
-    engine._prefill = timed(timer.seconds, "prefill", engine._prefill)
+    batch.prefill = timed(timer.seconds, "prefill", batch.prefill)  # a step's newcomers, together
 
 
 def scenario(
