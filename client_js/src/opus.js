@@ -156,11 +156,14 @@ export class WebCodecsOpusDecoder {
   push(frame) {
     if (this.closed) return;
     this.timeline.packet(frame);
-    // Timestamps carry the seq (µs, 20 ms apart) so each output maps back to its packet.
+    // Timestamps carry the seq (µs, one packet's length apart) so each output maps back to its
+    // packet. They must be the packets' true length: a decoder may time its outputs by the audio
+    // it made, and 60 ms packets stamped 20 ms apart then map to the wrong packets.
+    const packetUs = this.packetUs();
     const chunk = new globalThis.EncodedAudioChunk({
       type: 'key',
-      timestamp: frame.seq * 20000,
-      duration: 20000,
+      timestamp: frame.seq * packetUs,
+      duration: packetUs,
       data: frame.payload,
     });
     this.decoder.decode(chunk);
@@ -175,7 +178,7 @@ export class WebCodecsOpusDecoder {
       }
       const samples = new Float32Array(data.numberOfFrames);
       data.copyTo(samples, { planeIndex: 0, format: 'f32-planar' });
-      const seq = Math.round(data.timestamp / 20000);
+      const seq = Math.round(data.timestamp / this.packetUs());
       for (const part of this.timeline.decoded(seq, samples)) this.onSamples(part);
     } catch (err) {
       this.onError(/** @type {Error} */ (err));
@@ -187,6 +190,11 @@ export class WebCodecsOpusDecoder {
   /** @param {number} frameMs the packet length `started` announced */
   setFrameMs(frameMs) {
     this.timeline.setFrameMs(frameMs);
+  }
+
+  /** @returns {number} one packet's length in µs (the stream's `frame_ms`) */
+  packetUs() {
+    return Math.round((1e6 * this.timeline.frameSamples) / this.sampleRate);
   }
 
   /**
