@@ -17,6 +17,8 @@ step but does not show up there, so a test can tell the two apart.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import math
 import threading
@@ -45,6 +47,9 @@ FAKE_VOICES = ("default", "alto", "tenor")
 #: What the fake engine says makes its voices' codes (a real engine names its weights).
 FAKE_VOICE_ENCODER = "fake-encoder-1"
 SCHEDSTAT = "/proc/thread-self/schedstat"
+PR_SET_TIMERSLACK = 29
+#: A step's quanta when it has host work: 16-token blocks of 4-token quanta, as on CUDA.
+QUANTA_PER_STEP = 4
 
 
 def thread_times() -> tuple[float, float]:
@@ -58,6 +63,17 @@ def thread_times() -> tuple[float, float]:
         return int(on_cpu) / 1e9, int(queued) / 1e9
     except (OSError, ValueError):
         return time.thread_time(), 0.0
+
+
+def exact_sleeps() -> None:
+    """This thread's sleeps end on time (Linux: a 1 ns timer slack instead of 50 µs).
+
+    A sleep's slack is time the thread is held off a core that the pace measure would
+    otherwise count; where the call is not available, it stays in the measure.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
 
 
 def python_work(seconds: float) -> None:
@@ -163,6 +179,7 @@ class FakeEngine:
         self.step_host_s = step_host_s
         self._host_cpu_s = 0.0  # CPU time of the steps' host work and sleeps
         self._host_held_s = 0.0  # of the steps' wall time: neither sleeping, on a core, nor waiting for one
+        self._exact_sleeps = False
         self.first_block_tokens = first_block_tokens
         self.block_tokens = block_tokens
         self.tokens_per_char = tokens_per_char
@@ -241,11 +258,22 @@ class FakeEngine:
         return [self._advance(self._sequences[seq_id]) for seq_id in seq_ids]
 
     def _timed_work(self, sleep_s: float) -> None:
-        """The step's cost: ``sleep_s`` of device time, then the host work; its pace measured."""
+        """The step's cost: ``sleep_s`` of device time and the host work; its pace measured.
+
+        With host work the step runs as a GPU engine's does: :data:`QUANTA_PER_STEP` quanta,
+        each launched by the host (Python, holding the GIL) and then waited for (a sleep, the
+        GIL released), so the host takes the GIL back once a quantum.
+        """
+        if self.step_host_s > 0 and not self._exact_sleeps:
+            exact_sleeps()  # the inference thread's, on its first step
+            self._exact_sleeps = True
         started, (cpu, queued) = time.perf_counter(), thread_times()
-        time.sleep(sleep_s)
         if self.step_host_s > 0:
-            python_work(self.step_host_s)
+            for _ in range(QUANTA_PER_STEP):
+                python_work(self.step_host_s / QUANTA_PER_STEP)
+                time.sleep(sleep_s / QUANTA_PER_STEP)
+        else:
+            time.sleep(sleep_s)
         wall = time.perf_counter() - started
         cpu_after, queued_after = thread_times()
         cpu_s, queued_s = cpu_after - cpu, queued_after - queued
