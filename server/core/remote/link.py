@@ -94,6 +94,8 @@ class ProcessLink:
             theirs.close()
         self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
         self._writer.write(encode_settings(self._settings))
+        if self._stopping:  # stopped while this one was being started: it stops after loading
+            self._writer.write(encode_command(Shutdown()))
 
     async def _supervise(self) -> None:
         """Pump events until the process ends; bring it back unless stopping or it never loaded."""
