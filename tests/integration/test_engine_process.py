@@ -170,3 +170,22 @@ async def test_the_served_command_drains_and_leaves_no_engine_process_behind() -
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_the_engine_process_ends_when_its_front_end_is_killed() -> None:
+    # No orphan: the engine process reads EOF on its socket when the front end dies, and exits.
+    port = free_port()
+    flags = ("--engine", "fake", "--engine-process", "--port", str(port))
+    proc = await spawn_server(*flags, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        await wait_ready(port, proc)
+        (engine,) = children_of(proc.pid)
+        proc.kill()
+        await proc.wait()
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            while not gone(engine):
+                await asyncio.sleep(0.05)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

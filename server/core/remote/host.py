@@ -66,10 +66,13 @@ async def serve(sock: socket.socket) -> None:
     thread = threading.Thread(target=run, name="inference", daemon=True)
     thread.start()
     commands = asyncio.create_task(_take_commands(reader, core), name="commands")
-    await asyncio.wait([commands, asyncio.create_task(ended.wait())], return_when=asyncio.FIRST_COMPLETED)
+    loop_ended = asyncio.create_task(ended.wait(), name="loop-ended")
+    await asyncio.wait([commands, loop_ended], return_when=asyncio.FIRST_COMPLETED)
     core.shutdown()  # the front end is gone, or the loop has ended already (then a no-op)
     await asyncio.to_thread(thread.join)
-    commands.cancel()
+    for task in (commands, loop_ended):
+        task.cancel()
+    await asyncio.gather(commands, loop_ended, return_exceptions=True)
     await asyncio.sleep(0)  # the last batch's write, scheduled by the thread before it ended
     try:
         await writer.drain()

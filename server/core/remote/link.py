@@ -119,7 +119,19 @@ class ProcessLink:
             await asyncio.sleep(delay)
             if self._asked_to_stop():  # a drain during the delay
                 return
+            while not await self._respawned():
+                await asyncio.sleep(MAX_RESTART_DELAY_S)
+                if self._asked_to_stop():
+                    return
+
+    async def _respawned(self) -> bool:
+        """Start the engine process again; False (logged) when it cannot be started now."""
+        try:
             await self._spawn()
+        except OSError:
+            log.exception("the engine process cannot be started; trying again in %.0f s", MAX_RESTART_DELAY_S)
+            return False
+        return True
 
     def _asked_to_stop(self) -> bool:
         return self._stopping
