@@ -18,7 +18,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
 from server.config import Settings
 from server.core.client import EngineClient
-from server.core.policy import PolicyConfig
+from server.core.factory import build_engine_factory, policy_config, text_side
+from server.core.remote.link import ProcessLink
 from server.core.warmup import warm_up
 from server.engine_api import Engine, EngineInfo
 from server.errors import ServiceError, StartupError
@@ -44,35 +45,6 @@ DRAIN_POLL_S = 0.05
 _CLOSE_REASONS = {"unauthorized": "missing or invalid API key", "forbidden_origin": "origin not allowed"}
 
 
-def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
-    """The engine constructor for ``settings`` (called on the inference thread)."""
-    if settings.engine == "fake":
-        from server.engine.fake import FakeEngine
-
-        return lambda: FakeEngine(
-            step_base_s=settings.fake_step_ms / 1000,
-            step_per_row_s=settings.fake_row_ms / 1000,
-            refine=settings.refine_max_tokens > 0,
-            voices=settings.voice_max_seconds > 0,
-        )
-    from server.engine.loading import chattts_engine_factory
-
-    return chattts_engine_factory(settings)
-
-
-def policy_config(settings: Settings) -> PolicyConfig:
-    """The scheduling policy's tuning from the flags."""
-    return PolicyConfig(
-        max_batch=settings.max_batch,
-        max_wait_s=settings.max_wait_ms / 1000,
-        max_queue=settings.max_queue,
-        lookahead=settings.segment_lookahead,
-        lookahead_lead_s=settings.lookahead_lead_s,
-        breaker_threshold=settings.breaker_threshold,
-        breaker_probe_interval_s=settings.breaker_probe_s,
-    )
-
-
 class App:
     """One server instance: start it, serve until told to stop, drain, stop."""
 
@@ -84,6 +56,7 @@ class App:
             config=policy_config(settings),
             metrics=self.metrics,
             warmup=settings.warmup,
+            link=self._engine_process(settings, engine_factory),
         )
         self.service = SpeechService(settings, self.engine_client, self.metrics)
         self.connections: set[Connection] = set()
@@ -96,6 +69,18 @@ class App:
         self._sockets: list[socket.socket] = []
         self._server: Server | None = None
         self._warmup_task: asyncio.Task[None] | None = None
+
+    def _engine_process(self, settings: Settings, factory: Callable[[], Engine] | None) -> ProcessLink | None:
+        """With ``--engine-process``: the link to the engine process (None: a thread of this one).
+
+        Raises:
+            StartupError: an engine the engine process cannot build (one given in code, ChatTTS).
+        """
+        if not settings.engine_process:
+            return None
+        if factory is not None:
+            raise StartupError("--engine-process builds its engine from the flags: no engine object crosses")
+        return ProcessLink(settings, text=text_side(settings), metrics=self.metrics)
 
     # --- start-up and shutdown --------------------------------------------------------------
 

@@ -174,6 +174,11 @@ class Settings:
         choices=VOCODER_DTYPE_CHOICES,
     )
     warmup: bool = _opt(True, "run warm-up requests before /ready turns 200")
+    engine_process: bool = _opt(
+        False,
+        "run the engine core and the model in a process of their own, behind a local socket, so the "
+        "front ends' Python never holds the engine's GIL (fake engine only for now)",
+    )
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     max_buffer_delay_ms: float = _opt(
         800.0, "incremental streams: speak a stalled clause after this long without text"
@@ -306,6 +311,9 @@ class Settings:
     )
     fake_step_ms: float = _opt(2.0, "fake engine: fixed cost of one step (ms)")
     fake_row_ms: float = _opt(0.5, "fake engine: extra cost per sequence in a step (ms)")
+    fake_host_ms: float = _opt(
+        0.0, "fake engine: Python work holding the GIL in every step (ms of CPU), as a model's host side"
+    )
     log_level: str = _opt("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     @property

@@ -34,7 +34,7 @@ GROUPS: tuple[FlagGroup, ...] = (
         "Model and engine",
         "which weights, on which device, in which precision, and how the token step runs",
         "engine model_dir dev_model verify_weights cache_dir device dtype quantize vocoder_dtype "
-        "compile_step cuda_graphs warmup",
+        "compile_step cuda_graphs warmup engine_process",
     ),
     _group(
         "CPU threads",
@@ -80,7 +80,7 @@ GROUPS: tuple[FlagGroup, ...] = (
         "drain_timeout_s",
     ),
     _group("Observability", "the log (the metrics are GET /metrics: no flag)", "log_level"),
-    _group("Development", "the fake engine's speed (--engine fake)", "fake_step_ms fake_row_ms"),
+    _group("Development", "the fake engine's speed (--engine fake)", "fake_step_ms fake_row_ms fake_host_ms"),
 )
 
 _GROUP_OF = {name: group for group in GROUPS for name in group.fields}

@@ -98,6 +98,16 @@ class Metrics:
             "KV cache in memory now: the reservation on a GPU, the live rows' positions on the CPU",
             registry=r,
         )
+        # The engine's host side (engines that measure it: the fake engine's --fake-host-ms): the
+        # second is time its thread could have run but another thread held the GIL.
+        self.engine_host_cpu = Gauge(
+            "chattts_engine_host_cpu_seconds", "CPU time of the engine's steps on their thread", registry=r
+        )
+        self.engine_host_held = Gauge(
+            "chattts_engine_host_held_seconds",
+            "Time the engine's steps were held off a core they could run on (the GIL)",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -88,13 +89,28 @@ def child_env() -> dict[str, str]:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (Linux ``/proc``), else ``None``."""
+    """User + system CPU seconds of a live process and of the processes it started, else ``None``.
+
+    A server with ``--engine-process`` runs its engine in a child: its CPU counts as the
+    server's (Linux ``/proc``; a child that ended and was waited for is in ``cutime``/``cstime``).
+    """
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    own = (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / ticks
+    return own + sum(process_cpu_s(child) or 0.0 for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes ``pid`` started (``/proc/PID/task/*/children``)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 class ServerProcess:

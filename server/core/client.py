@@ -1,8 +1,8 @@
 """The engine client: what the event loop (the service, every front end) sees of the engine.
 
-:class:`EngineClient` starts the :class:`~server.core.engine_core.EngineCore` on
-its own thread and talks to it only in typed commands and events
-(``server.core.events``). A stream is one call::
+:class:`EngineClient` starts the :class:`~server.core.engine_core.EngineCore` through a
+:class:`~server.core.link.CoreLink` (on its own thread, or in an engine process of its own)
+and talks to it only in typed commands and events (``server.core.events``). A stream is one call::
 
     generation = client.generate(GenerateRequest(segments=("Hello.",), params=SynthesisParams()))
     async for event in generation:        # SegmentStarted, Audio, ..., then Ended
@@ -18,16 +18,13 @@ Incremental streams (``incremental=True``) get more segments with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import assert_never
 
 from server.core.admission import refusal
-from server.core.engine_core import EngineCore
 from server.core.events import (
     Add,
     Admission,
@@ -49,6 +46,7 @@ from server.core.events import (
     VoiceEncoded,
 )
 from server.core.generation import GenerateRequest, Generation
+from server.core.link import CoreLink, ThreadLink
 from server.core.policy import INITIAL_SECONDS_PER_BLOCK, STOPPED_MESSAGE, PolicyConfig
 from server.engine_api import AudioArray, Codes, Engine, EngineInfo
 from server.errors import EngineFailed, EngineUnavailable, InvalidRequest, Overloaded, StartupError
@@ -59,20 +57,28 @@ HEARTBEAT_STALE_S = 120.0
 
 
 class EngineClient:
-    """Starts the engine core, submits streams to it and routes its events to their generations."""
+    """Starts the engine core, submits streams to it and routes its events to their generations.
+
+    ``engine_factory`` builds the engine on an inference thread of this process; ``link``
+    instead says where the core runs (``server.core.remote.link.ProcessLink``: its own process).
+    """
 
     def __init__(
         self,
-        engine_factory: Callable[[], Engine],
+        engine_factory: Callable[[], Engine] | None = None,
         *,
         config: PolicyConfig,
         metrics: Metrics,
         warmup: bool = True,
+        link: CoreLink | None = None,
     ) -> None:
         self.config = config
         self._metrics = metrics
-        self._core = EngineCore(engine_factory, config, emit=self._emit, metrics=metrics, warmup=warmup)
-        self._thread: threading.Thread | None = None
+        if link is None:
+            assert engine_factory is not None, "an engine factory or a link"
+            link = ThreadLink(engine_factory, config=config, metrics=metrics, warmup=warmup)
+        self.link = link
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loaded: asyncio.Future[EngineInfo] | None = None
         self._ready = asyncio.Event()
@@ -92,27 +98,27 @@ class EngineClient:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> EngineInfo:
-        """Start the inference thread; returns once the engine is loaded (its warm-up goes on).
+        """Start the core; returns once the engine is loaded (its warm-up goes on).
 
         Raises:
-            StartupError: the engine could not be loaded (the thread has ended).
+            StartupError: the engine could not be loaded (the core has ended).
         """
         self._loop = asyncio.get_running_loop()
         self._loaded = self._loop.create_future()
-        self._thread = threading.Thread(target=self._core.run, name="inference", daemon=True)
-        self._thread.start()
+        self._started = True
+        await self.link.start(self._dispatch, self._on_lost)
         try:
             self.info = await self._loaded
         except StartupError:
-            await asyncio.to_thread(self._thread.join)
+            await self.link.join()
             raise
         return self.info
 
     async def stop(self) -> None:
         """Stop the loop after its current step; every stream still running ends with an error."""
-        self._core.shutdown()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        self.link.shutdown()
+        if self._started:
+            await self.link.join()
 
     async def wait_ready(self) -> None:
         """Until the engine's warm-up is over."""
@@ -125,8 +131,8 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        """The inference thread runs."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopped
+        """The core runs (or, in an engine process, is being brought back)."""
+        return self._started and self.link.alive and not self._stopped
 
     @property
     def healthy(self) -> bool:
@@ -145,17 +151,16 @@ class EngineClient:
 
     @property
     def engine(self) -> Engine:
-        """The engine the core runs (tests read the fake engine's logs through this)."""
-        assert self._core.engine is not None, "engine not loaded"
-        return self._core.engine
+        """The engine the core runs, in this process (tests read the fake engine's logs through this)."""
+        return self.link.engine
 
     def validate_voice(self, voice: str) -> bool:
         """Whether the engine speaks ``voice`` (engines answer from immutable data: any thread)."""
-        return self.engine.validate_voice(voice)
+        return self.link.text.validate_voice(voice)
 
     def text_tokens(self, text: str) -> int:
         """Tokens ``text`` is for the model (engines count apart from the inference thread: any thread)."""
-        return self.engine.text_tokens(text)
+        return self.link.text.text_tokens(text)
 
     # --- streams --------------------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class EngineClient:
             Overloaded: the queue is full or the breaker is open (``retry_after_ms`` set).
             EngineUnavailable: the inference loop is not running.
         """
-        if self._stopped or self._thread is None:
+        if self._stopped or not self.link.connected:
             raise EngineUnavailable("the inference loop is not running")
         capacity = self._capacity
         retry_ms = refusal(
@@ -183,7 +188,7 @@ class EngineClient:
         self._adds_sent += 1
         self._pending_clients.append(request.client)
         self._pending_by_client[request.client] += 1
-        self._core.send(
+        self.link.send(
             Add(
                 generation.stream_id,
                 request.segments,
@@ -208,12 +213,12 @@ class EngineClient:
             EngineFailed: the model failed.
             EngineUnavailable: the inference loop is not running.
         """
-        if self._stopped or self._thread is None or self._loop is None:
+        if self._stopped or not self.link.connected or self._loop is None:
             raise EngineUnavailable("the inference loop is not running")
         request_id = next(self._ids)
         future: asyncio.Future[VoiceEncoded] = self._loop.create_future()
         self._encodes[request_id] = future
-        self._core.send(EncodeVoice(request_id, audio, transcript))
+        self.link.send(EncodeVoice(request_id, audio, transcript))
         try:
             answer = await future
         finally:
@@ -224,11 +229,11 @@ class EngineClient:
 
     def append(self, stream_id: int, text: str) -> None:
         """One more segment for an incremental stream."""
-        self._core.send(Append(stream_id, text))
+        self.link.send(Append(stream_id, text))
 
     def end_input(self, stream_id: int) -> None:
         """No more segments for an incremental stream."""
-        self._core.send(EndInput(stream_id))
+        self.link.send(EndInput(stream_id))
 
     def abort(self, stream_id: int) -> None:
         """Stop generating a stream; its engine work is freed at the next block boundary.
@@ -237,18 +242,10 @@ class EngineClient:
         """
         generation = self._generations.pop(stream_id, None)
         if generation is not None:
-            self._core.send(Cancel(stream_id))
+            self.link.send(Cancel(stream_id))
             generation._push(Ended(stream_id, "cancelled"))
 
     # --- events from the core ----------------------------------------------------------------
-
-    def _emit(self, events: list[CoreEvent]) -> None:
-        """The core's sink (inference thread): one hand-off to the event loop per batch."""
-        loop = self._loop
-        if loop is not None:
-            # A closed event loop raises RuntimeError: nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._dispatch, events)
 
     def _dispatch(self, events: list[CoreEvent]) -> None:
         self._heard = time.monotonic()
@@ -298,6 +295,28 @@ class EngineClient:
         for request_id, future in self._encodes.items():
             if not future.done():
                 future.set_result(VoiceEncoded(request_id, None, STOPPED_MESSAGE, failed=True))
+
+    def _on_lost(self, message: str) -> None:
+        """The core is gone without stopping (its process died): fail what it held; not ready.
+
+        A core brought back starts from nothing: no add of the lost one counts as pending, and
+        its ``Ready`` makes the client ready again.
+        """
+        if self._loaded is not None and not self._loaded.done():
+            self._loaded.set_exception(StartupError(message))
+        self._ready.clear()
+        for stream_id, generation in list(self._generations.items()):
+            generation._push(Ended(stream_id, "error", message))
+        self._generations.clear()
+        for request_id, future in self._encodes.items():
+            if not future.done():
+                future.set_result(VoiceEncoded(request_id, None, message, failed=True))
+        self._adds_sent = 0
+        self._pending_clients.clear()
+        self._pending_by_client.clear()
+        self._capacity = Capacity(Admission(0, self.config.max_batch, INITIAL_SECONDS_PER_BLOCK, False), 0)
+        self._metrics.running_sequences.set(0)
+        self._count_queue()
 
     def _taken(self, adds_taken: int) -> None:
         """The core has taken ``adds_taken`` adds in all: they are no longer pending."""

@@ -42,6 +42,7 @@ from server.core.events import (
     Stopped,
     VoiceEncoded,
 )
+from server.core.meters import CoreMetrics
 from server.core.policy import (
     STOPPED_MESSAGE as STOPPED,
 )
@@ -57,7 +58,6 @@ from server.core.policy import (
 )
 from server.engine_api import Engine, EngineOutOfMemory
 from server.errors import StartupError
-from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class EngineCore:
         config: PolicyConfig,
         *,
         emit: Emit,
-        metrics: Metrics,
+        metrics: CoreMetrics,
         warmup: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -241,7 +241,7 @@ class EngineCore:
             return VoiceEncoded(command.request_id, None, str(exc))
         except Exception as exc:
             log.error("encoding a voice failed: %r", exc)
-            self._metrics.engine_failures.labels(kind="error").inc()
+            self._metrics.engine_failures.labels("error").inc()
             return VoiceEncoded(command.request_id, None, "the model failed to encode the recording", True)
         return VoiceEncoded(command.request_id, codes)
 
@@ -273,7 +273,7 @@ class EngineCore:
         try:
             results = engine.step(seq_ids)
         except EngineOutOfMemory:
-            metrics.engine_failures.labels(kind="oom").inc()
+            metrics.engine_failures.labels("oom").inc()
             empty_cache = getattr(engine, "empty_cache", None)  # optional engine capability
             if callable(empty_cache):
                 empty_cache()
@@ -281,7 +281,7 @@ class EngineCore:
             return OutOfMemory()
         except Exception as exc:
             log.error("engine step failed for %d sequences: %r", len(seq_ids), exc)
-            metrics.engine_failures.labels(kind="error").inc()
+            metrics.engine_failures.labels("error").inc()
             return StepFailed(repr(exc))
         elapsed = self._clock() - started
         metrics.block_time.observe(elapsed)
@@ -293,13 +293,18 @@ class EngineCore:
         return Stepped(results, elapsed)
 
     def _observe_memory(self, engine: Engine) -> None:
-        """The memory gauges the engine can report (optional capabilities)."""
+        """The gauges the engine can report (optional capabilities: memory, its host side's time)."""
         memory_allocated = getattr(engine, "memory_allocated", None)
         if callable(memory_allocated):
             self._metrics.gpu_memory_bytes.set(memory_allocated())
         kv_resident_bytes = getattr(engine, "kv_resident_bytes", None)
         if callable(kv_resident_bytes):
             self._metrics.kv_resident_bytes.set(kv_resident_bytes())
+        host_time = getattr(engine, "host_time", None)
+        if callable(host_time):
+            cpu_s, held_s = host_time()
+            self._metrics.engine_host_cpu.set(cpu_s)
+            self._metrics.engine_host_held.set(held_s)
 
     def _probe(self, engine: Engine) -> bool:
         """The open breaker's probe: one warm-up run."""

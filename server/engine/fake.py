@@ -3,12 +3,22 @@
 Audio is a function of the request alone (:func:`expected_audio`), so a test
 can recompute every sample the server should send. Each step costs
 ``a + b·batch`` seconds of wall time (``time.sleep`` on the inference
-thread, which releases the GIL like a real model step would), and failures
-can be injected programmatically or by a marker in the text.
+thread, which releases the GIL like a real model step would), plus ``h``
+seconds of Python work that holds the GIL (``step_host_s``: a model's host
+side, launching graphs and reading results); failures can be injected
+programmatically or by a marker in the text.
+
+The host work's pace is measured (:meth:`FakeEngine.host_time`): what a step took beyond
+its sleep, its CPU time and its wait for a free core (Linux's per-thread run-queue wait,
+``/proc/thread-self/schedstat``) is time the thread was held off a core it could have
+run on: the GIL, held by another thread of this process. A loaded machine slows the
+step but does not show up there, so a test can tell the two apart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import math
 import threading
@@ -36,6 +46,41 @@ FAIL_MARKER = "{{fail}}"
 FAKE_VOICES = ("default", "alto", "tenor")
 #: What the fake engine says makes its voices' codes (a real engine names its weights).
 FAKE_VOICE_ENCODER = "fake-encoder-1"
+SCHEDSTAT = "/proc/thread-self/schedstat"
+PR_SET_TIMERSLACK = 29
+#: A step's quanta when it has host work: 16-token blocks of 4-token quanta, as on CUDA.
+QUANTA_PER_STEP = 4
+
+
+def thread_times() -> tuple[float, float]:
+    """This thread's CPU time and its time waiting for a core (run queue), in seconds.
+
+    Where the kernel has no per-thread scheduler statistics: the CPU time alone (no wait seen).
+    """
+    try:
+        with open(SCHEDSTAT, "rb") as stat:
+            on_cpu, queued, _slices = stat.read().split()
+        return int(on_cpu) / 1e9, int(queued) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
+def exact_sleeps() -> None:
+    """This thread's sleeps end on time (Linux: a 1 ns timer slack instead of 50 µs).
+
+    A sleep's slack is time the thread is held off a core that the pace measure would
+    otherwise count; where the call is not available, it stays in the measure.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
+def python_work(seconds: float) -> None:
+    """Hold the GIL doing Python work until this thread has spent ``seconds`` of CPU."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        sum(range(200))
 
 
 def token_count(text: str, tokens_per_char: float, max_tokens: int) -> int:
@@ -120,6 +165,7 @@ class FakeEngine:
         *,
         step_base_s: float = 0.002,
         step_per_row_s: float = 0.0005,
+        step_host_s: float = 0.0,
         first_block_tokens: int = 4,
         block_tokens: int = 16,
         tokens_per_char: float = 2.0,
@@ -130,6 +176,10 @@ class FakeEngine:
     ) -> None:
         self.step_base_s = step_base_s
         self.step_per_row_s = step_per_row_s
+        self.step_host_s = step_host_s
+        self._host_cpu_s = 0.0  # CPU time of the steps' host work and sleeps
+        self._host_held_s = 0.0  # of the steps' wall time: neither sleeping, on a core, nor waiting for one
+        self._exact_sleeps = False
         self.first_block_tokens = first_block_tokens
         self.block_tokens = block_tokens
         self.tokens_per_char = tokens_per_char
@@ -198,7 +248,7 @@ class FakeEngine:
         """Advance each sequence by one block, sleeping per the cost model."""
         index = self._step_index
         self._step_index += 1
-        time.sleep(self.step_base_s + self.step_per_row_s * len(seq_ids))
+        self._timed_work(self.step_base_s + self.step_per_row_s * len(seq_ids))
         try:
             self._maybe_fail(seq_ids)
         except EngineError:
@@ -206,6 +256,34 @@ class FakeEngine:
             raise
         self.steps.append(StepRecord(index, tuple(seq_ids)))
         return [self._advance(self._sequences[seq_id]) for seq_id in seq_ids]
+
+    def _timed_work(self, sleep_s: float) -> None:
+        """The step's cost: ``sleep_s`` of device time and the host work; its pace measured.
+
+        With host work the step runs as a GPU engine's does: :data:`QUANTA_PER_STEP` quanta,
+        each launched by the host (Python, holding the GIL) and then waited for (a sleep, the
+        GIL released), so the host takes the GIL back once a quantum.
+        """
+        if self.step_host_s > 0 and not self._exact_sleeps:
+            exact_sleeps()  # the inference thread's, on its first step
+            self._exact_sleeps = True
+        started, (cpu, queued) = time.perf_counter(), thread_times()
+        if self.step_host_s > 0:
+            for _ in range(QUANTA_PER_STEP):
+                python_work(self.step_host_s / QUANTA_PER_STEP)
+                time.sleep(sleep_s / QUANTA_PER_STEP)
+        else:
+            time.sleep(sleep_s)
+        wall = time.perf_counter() - started
+        cpu_after, queued_after = thread_times()
+        cpu_s, queued_s = cpu_after - cpu, queued_after - queued
+        self._host_cpu_s += cpu_s
+        # A sleep overshoots by the timer's slack (tens of µs) besides the GIL: both count.
+        self._host_held_s += max(0.0, wall - sleep_s - cpu_s - queued_s)
+
+    def host_time(self) -> tuple[float, float]:
+        """Seconds of the steps' host work on a core, and seconds it was held off one (the GIL)."""
+        return self._host_cpu_s, self._host_held_s
 
     def _maybe_fail(self, seq_ids: list[int]) -> None:
         plan = self.failures

@@ -9,16 +9,18 @@ import signal
 import socket
 import time
 
+import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from tests.serverproc import free_port, http_status, spawn_server, wait_ready
 from tests.wsclient import open_client, recv, recv_json, start, url
 
 
-async def test_sigterm_drains_running_stream_then_exits_0() -> None:
+@pytest.mark.parametrize("form", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+async def test_sigterm_drains_running_stream_then_exits_0(form: tuple[str, ...]) -> None:
     port = free_port()
     proc = await spawn_server(
-        *("--engine", "fake", "--port", str(port), "--fake-step-ms", "40", "--drain-timeout-s", "60"),
+        *("--engine", "fake", "--port", str(port), "--fake-step-ms", "40", "--drain-timeout-s", "60", *form),
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from server.app import policy_config
 from server.config import load_settings
 from server.core.client import EngineClient
+from server.core.factory import policy_config
 from server.engine.fake import FakeEngine
 from server.metrics import Metrics
 from server.streams.service import SpeechService

@@ -1,0 +1,211 @@
+"""The front end's side of the engine process: start it, carry the frames, bring it back when it dies.
+
+:class:`ProcessLink` is a :class:`~server.core.link.CoreLink`. It starts
+``python -m server.core.remote.host`` with one end of a Unix socket pair (nothing on disk, no
+port), sends the settings, then each command as a frame; a reader task decodes the event
+batches, replays the metrics recorded with them on this process's collectors and delivers the
+events to the client, on the event loop.
+
+When the engine process dies (a crash, the kernel's OOM killer, a ``kill -9``), ``lost`` tells
+the client at once (its streams end with an engine error and it is not ready), and the process
+is started again after :data:`RESTART_DELAY_S` (doubling up to :data:`MAX_RESTART_DELAY_S`
+while the new one dies before loading). Its ``Ready`` makes the client ready again. A process
+that dies before it ever loaded is not restarted: the server's start fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import server
+from server.config import Settings
+from server.core.events import Command, Loaded, Shutdown
+from server.core.link import Deliver, Lost
+from server.core.remote.recorder import replay
+from server.core.remote.wire import (
+    WireError,
+    decode_events,
+    encode_command,
+    encode_settings,
+    read_frame,
+)
+from server.engine_api import Engine
+from server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+#: The folder holding this ``server`` package: the engine process imports this very tree,
+#: wherever the front end was started from.
+_ROOT = str(Path(server.__file__).resolve().parents[1])
+
+RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 10.0
+#: A stopping engine process ends after its current step; past this it is killed.
+STOP_TIMEOUT_S = 30.0
+
+
+class ProcessLink:
+    """The engine core in a child process, over a Unix socket pair."""
+
+    def __init__(self, settings: Settings, *, text: Engine, metrics: Metrics) -> None:
+        self._settings = settings
+        self._text = text
+        self._metrics = metrics
+        self._process: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._deliver: Deliver | None = None
+        self._lost: Lost | None = None
+        self._stopping = False
+        self._ever_loaded = False
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id while one runs (tests kill it)."""
+        return self._process.pid if self._process is not None and self._process.returncode is None else None
+
+    async def start(self, deliver: Deliver, lost: Lost) -> None:
+        """Start the engine process; its events go to ``deliver``, its death to ``lost``."""
+        self._deliver, self._lost = deliver, lost
+        await self._spawn()
+        self._supervisor = asyncio.create_task(self._supervise(), name="engine-process")
+
+    async def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "server.core.remote.host",
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._writer.write(encode_settings(self._settings))
+        if self._stopping:  # stopped while this one was being started: it stops after loading
+            self._writer.write(encode_command(Shutdown()))
+
+    async def _supervise(self) -> None:
+        """Pump events until the process ends; bring it back unless stopping or it never loaded."""
+        delay = RESTART_DELAY_S
+        while True:
+            loaded = await self._pump()
+            assert self._process is not None
+            code = await self._process.wait()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self._stopping:
+                return
+            how = f"signal {-code}" if code < 0 else f"exit status {code}"
+            log.error("the engine process ended (%s); streams in it failed; restarting", how)
+            assert self._lost is not None
+            self._lost(f"the engine process ended ({how}); it is being restarted")
+            if not self._ever_loaded:
+                return
+            delay = RESTART_DELAY_S if loaded else min(MAX_RESTART_DELAY_S, delay * 2)
+            await asyncio.sleep(delay)
+            if self._asked_to_stop():  # a drain during the delay
+                return
+            while not await self._respawned():
+                await asyncio.sleep(MAX_RESTART_DELAY_S)
+                if self._asked_to_stop():
+                    return
+
+    async def _respawned(self) -> bool:
+        """Start the engine process again; False (logged) when it cannot be started now."""
+        try:
+            await self._spawn()
+        except OSError:
+            log.exception("the engine process cannot be started; trying again in %.0f s", MAX_RESTART_DELAY_S)
+            return False
+        return True
+
+    def _asked_to_stop(self) -> bool:
+        return self._stopping
+
+    async def _pump(self) -> bool:
+        """Deliver every event batch until the socket ends; whether this process loaded its engine."""
+        reader, deliver = self._reader, self._deliver
+        assert reader is not None and deliver is not None
+        loaded = False
+        while (body := await read_frame(reader)) is not None:
+            try:
+                events, ops = decode_events(body)
+            except WireError:
+                log.exception("the engine process sent a frame that does not decode; ending it")
+                self._kill()
+                break
+            replay(ops, self._metrics)
+            if any(isinstance(event, Loaded) for event in events):
+                loaded = self._ever_loaded = True
+            deliver(events)
+        return loaded
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.send_signal(signal.SIGKILL)
+
+    def send(self, command: Command) -> None:
+        """One frame; dropped while no engine process is connected (its streams have failed already)."""
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(encode_command(command))
+
+    def shutdown(self) -> None:
+        """The engine process stops its core after the current step, then exits."""
+        self._stopping = True
+        self.send(Shutdown())
+
+    async def join(self) -> None:
+        """Until the engine process has exited (killed past :data:`STOP_TIMEOUT_S`)."""
+        self._stopping = True
+        task = self._supervisor
+        if task is None:
+            if self._process is not None:
+                self._kill()
+                await self._process.wait()
+            return
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await asyncio.shield(task)
+        except TimeoutError:
+            log.error("the engine process did not stop within %.0f s: killed", STOP_TIMEOUT_S)
+            self._kill()
+            await task
+
+    @property
+    def connected(self) -> bool:
+        """An engine process is connected."""
+        return self._writer is not None and not self._writer.is_closing()
+
+    @property
+    def alive(self) -> bool:
+        """The supervisor runs: an engine process serves, loads, or is about to be started again."""
+        return self._supervisor is not None and not self._supervisor.done() and not self._stopping
+
+    @property
+    def text(self) -> Engine:
+        """The engine's text side, built in this process (``server.core.factory.text_side``)."""
+        return self._text
+
+    @property
+    def engine(self) -> Engine:
+        """Not in this process.
+
+        Raises:
+            RuntimeError: always (the engine object lives in the engine process).
+        """
+        raise RuntimeError("the engine runs in its own process (--engine-process)")
