@@ -13,7 +13,8 @@ LISTENER_MS = 300.0
 #: server whose engine was not measured in the run gets no ratio rather than one against other
 #: flags.
 SERVER_ENGINE = {
-    "after": "engine-direct",
+    "after": "engine-direct-compiled-w8a8",  # the defaults: --profile realtime (x86-64 CPU)
+    "after-eager": "engine-direct",
     "after-int8": "engine-direct-int8",
     "after-w8a8": "engine-direct-w8a8",
     "after-compiled": "engine-direct-compiled",
