@@ -32,6 +32,7 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     rows = result["step"]["rows"]
     for name in (
         "floor-plain",
+        "floor-int8",  # the w8a8 step's floor (FBGEMM: products-w8a8 below needs it too)
         "products-dense",
         "products-onednn-bf16",
         "products-int8",
@@ -45,7 +46,7 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
         split = result["step"]["splits"][f"step-{form}@2"]
         assert split["projections"] > 0 and split["total"] >= split["projections"]
         assert result["step"]["profiles"][f"step-{form}@1"]
-    server, ratio_server = result["systems"]["after-eager"]  # part 'servers' started one, part 'ratio' another
+    server, ratio_server = result["systems"]["after-eager"]  # 'servers' started one, 'ratio' another
     assert server["hello"]["compute"]["quantize"] == "none"
     assert ratio_server["hello"]["compute"]["quantize"] == "none"
     # Part 'ratio': server then engine, then engine then server, each tagged with its round.
