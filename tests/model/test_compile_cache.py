@@ -174,9 +174,12 @@ def _compile_command(model_dir: Path, cache_dir: Path, *flags: str) -> subproces
     )
 
 
-def test_compile_without_the_compiled_step_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
-    run = _compile_command(tiny_model_dir, tmp_path, "--compile-step", "off")
-    assert run.returncode == 2 and "--compile-step on" in run.stdout
+@pytest.mark.parametrize("flags", [("--compile-step", "off"), ("--profile", "eager"), ("--profile", "exact")])
+def test_compile_without_the_compiled_step_says_so(
+    tiny_model_dir: Path, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    run = _compile_command(tiny_model_dir, tmp_path, *flags)
+    assert run.returncode == 2 and "--profile realtime" in run.stdout and "--compile-step on" in run.stdout
     assert not (tmp_path / "compiled").exists()
 
 
