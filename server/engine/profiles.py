@@ -34,10 +34,6 @@ from typing import Any, cast
 
 from server.config import PROFILE_CHOICES, Settings
 
-#: The flags a profile may set (each only while it is ``auto``), in the order the log names them.
-PROFILE_FLAGS = ("compile_step", "quantize", "dtype")
-
-
 def profile_values(profile: str, device_type: str, *, w8a8_available: bool) -> dict[str, str]:
     """The values ``profile`` gives the step flags on a device of type ``device_type``.
 
