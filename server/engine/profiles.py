@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from server.config import PROFILE_CHOICES, Settings
 
+
 def profile_values(profile: str, device_type: str, *, w8a8_available: bool) -> dict[str, str]:
     """The values ``profile`` gives the step flags on a device of type ``device_type``.
 
