@@ -206,7 +206,8 @@ def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused
     assert any(name.startswith("inductor/") for name in manifest["files"])
     assert list((tmp_path / "compiled" / "torch_extensions").rglob("*.so"))  # the C++ attention, built there
     graphs = re.search(r"in [\d.]+ s: 0 of (\d+) graphs' code from " + re.escape(str(folder)), cold.stderr)
-    assert graphs is not None and int(graphs.group(1)) >= 2, cold.stderr[-3000:]
+    # One graph: dynamo specializes batch 1, and no step attends over a whole slot (its spare position)
+    assert graphs is not None and int(graphs.group(1)) == 1, cold.stderr[-3000:]
 
     warm = _compile_command(tiny_model_dir, tmp_path, *flags)
     assert warm.returncode == 0, warm.stderr[-3000:]
