@@ -1,10 +1,9 @@
 # syntax=docker/dockerfile:1
 #
-# chattts-stream container images: one Dockerfile, three targets on one base.
+# chattts-stream container images: one Dockerfile, two targets on one base.
 #
 #   docker build --target gpu -t chattts-stream:gpu .                  # NVIDIA GPU (CUDA 13 torch)
-#   docker build --target cpu -t chattts-stream:cpu .                  # CPU, the default (eager) step
-#   docker build --target cpu-compile -t chattts-stream:cpu-compile .  # CPU, the compiled step (+ g++)
+#   docker build --target cpu -t chattts-stream:cpu .                  # CPU, the compiled step (+ g++)
 #
 #   docker run --gpus all -p 8080:8080 -p 8081:8081 -p 10200:10200 -v chattts-models:/models chattts-stream:gpu
 #   docker run -p 8080:8080 -p 8081:8081 -v chattts-models:/models chattts-stream:cpu --dev-model tiny
@@ -96,8 +95,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     && rm -rf /var/lib/apt/lists/*
 
 # ---------------------------------------------------------------------------------
-# Final images. cpu and gpu are kept identical except for the build stage they copy and
-# their device; cpu-compile is the cpu image plus a C++ compiler.
+# Final images. cpu and gpu are kept identical except for the build stage they copy, their
+# device, and the cpu image's C++ compiler.
 # ---------------------------------------------------------------------------------
 FROM base AS cpu
 ARG TORCH_SPEC=torch==2.13.0+cpu
@@ -110,9 +109,17 @@ COPY . .
 # Same command as the README; the Python part is already done (matching stamp), so this
 # installs the system libraries (libopus0) in this image.
 RUN TORCH_SPEC="${TORCH_SPEC}" scripts/setup.sh && rm -rf /var/lib/apt/lists/*
-# No C++ compiler: the server's default CPU step is eager and compiles nothing
-# (--compile-step off). `--compile-step on` here would run eagerly, logged as
-# TOKEN STEP FALLBACK: the cpu-compile image is the one for it.
+# The server's default CPU step (--profile realtime) is compiled: inductor builds the token
+# step's kernels with a C++ compiler, and the step's C++ attention
+# (server/engine/chattts/step/csrc) is built with ninja from the venv against the base's
+# Python headers. Without g++ the server would step eagerly (TOKEN STEP FALLBACK). The server
+# keeps both in its cache dir, /models/compiled (the weights volume), keyed by torch, CPU,
+# model and step form, so a restart reuses what was compiled (minutes on two cores the first
+# time); `docker run ... chattts-stream:cpu compile` builds it ahead (docs/operations.md).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/chattts-stream/.venv/bin:${PATH} \
     HOME=/home/app \
     CHATTTS_HOST=0.0.0.0 \
@@ -131,23 +138,6 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CHATTTS_PORT', '8080'), timeout=4)"]
 ENTRYPOINT ["chattts-stream", "serve"]
 CMD []
-
-# The compiled CPU step (--compile-step on, this image's default): inductor builds the token
-# step's kernels with a C++ compiler, and the step's C++ attention
-# (server/engine/chattts/step/csrc) is built with ninja from the venv against the base's
-# Python headers. Without g++ the server would step eagerly. The server keeps both in its
-# cache dir, /models/compiled (the weights volume), keyed by torch, CPU, model and step form,
-# so a restart reuses what was compiled (4 to 12 minutes on two cores the first time);
-# `docker run ... chattts-stream:cpu-compile compile` builds it ahead (docs/operations.md).
-# Everything else (user, ports, health check, entrypoint) is the cpu image's.
-FROM cpu AS cpu-compile
-USER 0:0
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
-    && rm -rf /var/lib/apt/lists/*
-ENV CHATTTS_COMPILE_STEP=on
-USER 10001:10001
 
 FROM base AS gpu
 ARG TORCH_SPEC=torch==2.13.0+cu130

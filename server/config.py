@@ -28,6 +28,8 @@ VERSION = "0.1.0"
 #: waits obey.
 DEFAULT_OMP_SPIN_COUNT = 10_000
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+#: ``--profile``'s values, the default first (what each sets: :mod:`server.engine.profiles`).
+PROFILE_CHOICES = ("realtime", "eager", "exact")
 
 
 def _opt(default: Any, help_text: str, *, choices: Sequence[str] | None = None) -> Any:
@@ -77,10 +79,20 @@ class Settings:
     )
     cache_dir: str = _opt("", "where downloaded weights are kept (default: ~/.cache/chattts-stream)")
     device: str = _opt("auto", "torch device for the model: auto, cpu, cuda, cuda:N")
+    profile: str = _opt(
+        "realtime",
+        "the token step's form in one name (flags given explicitly win; the start-up log names what it "
+        "set): realtime: the fastest step (CPU: --compile-step on --quantize w8a8, a compile of minutes "
+        "at the first start, kept in the cache dir; CUDA: CUDA graphs); eager: nothing compiled or "
+        "quantized, ready in seconds, slower on a CPU; exact: also --dtype float32, token-identical to "
+        "ChatTTS's own infer()",
+        choices=PROFILE_CHOICES,
+    )
     dtype: str = _opt(
         "auto",
-        "the GPT's precision; auto: bf16 where the CPU/GPU computes it natively (faster), else "
-        "float32 on CPU, fp16 on GPU; only float32 is token-identical to ChatTTS's own infer()",
+        "the GPT's precision; auto: float32 under --profile exact, else bf16 where the CPU/GPU computes "
+        "it natively (faster), else float32 on CPU, fp16 on GPU; only float32 is token-identical to "
+        "ChatTTS's own infer()",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     threads: int = _opt(0, "CPU threads for the model (0 = torch's default: all cores)")
@@ -153,19 +165,20 @@ class Settings:
         choices=("on", "off"),
     )
     compile_step: str = _opt(
-        "off",
+        "auto",
         "CPU: compile the token step with torch.compile (inductor) at warm-up: a token step about 1.5x "
-        "faster, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly)",
-        choices=("on", "off"),
+        "faster, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly); "
+        "auto: as --profile says (on under realtime on a CPU)",
+        choices=("auto", "on", "off"),
     )
     quantize: str = _opt(
-        "none",
+        "auto",
         "int8: the GPT's projections as weight-only int8 (faster single streams on a CPU, other tokens "
         "than without it); w8a8: int8 weights times per-row int8 activations (x86-64 CPU: "
         "the fastest step there at every batch, with --compile-step on the fastest of all; "
         "other tokens again); reported in hello and /metrics; "
-        "none: as --dtype loads them",
-        choices=QUANTIZE_CHOICES,
+        "none: as --dtype loads them; auto: as --profile says (w8a8 under realtime on an x86-64 CPU)",
+        choices=("auto", *QUANTIZE_CHOICES),
     )
     vocoder_dtype: str = _opt(
         "auto",

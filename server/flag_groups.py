@@ -33,7 +33,7 @@ GROUPS: tuple[FlagGroup, ...] = (
     _group(
         "Model and engine",
         "which weights, on which device, in which precision, and how the token step runs",
-        "engine model_dir dev_model verify_weights cache_dir device dtype quantize vocoder_dtype "
+        "engine model_dir dev_model verify_weights cache_dir device profile dtype quantize vocoder_dtype "
         "compile_step cuda_graphs warmup engine_process",
     ),
     _group(

@@ -64,18 +64,27 @@ async def spawn_server(
     stdout: int | None = None,
     stderr: int | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    profile: str | None = "eager",
 ) -> asyncio.subprocess.Process:
     """Start ``python -m server serve FLAGS`` with ``env``; the caller owns (and reaps) the process.
 
     ``preexec_fn`` runs in the child before the server starts (a lower open-files limit).
+    ``profile``: the ``CHATTTS_PROFILE`` it runs under, unless ``env`` names one: ``eager``, so
+    that a ChatTTS server is ready in seconds instead of compiling its CPU step for minutes;
+    ``None``: none set, the server's default (the one test of the default passes it).
     """
+    env = dict(env)
+    if profile is None:
+        env.pop("CHATTTS_PROFILE", None)
+    else:
+        env.setdefault("CHATTTS_PROFILE", profile)
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "server",
         "serve",
         *flags,
-        env=dict(env),
+        env=env,
         stdout=stdout,
         stderr=stderr,
         preexec_fn=preexec_fn,

@@ -56,12 +56,17 @@ from server.config import OPENMP_VARIABLES, Settings
 from server.engine.flags import thread_environment
 
 #: name → (extra ``serve`` flags, whose code: ``"before"`` or ``"after"``).
+#: ``after`` is this tree's default flags, what a fresh clone's ``serve`` runs (``--profile
+#: realtime``: on an x86-64 CPU the compiled w8a8 step, minutes of warm-up); the others name the
+#: step flags they differ in (``--profile eager``: nothing compiled or quantized, the default
+#: before ``--profile``).
 SYSTEMS: dict[str, tuple[list[str], str]] = {
     "before": ([], "before"),
     "after": ([], "after"),
-    "after-int8": (["--quantize", "int8"], "after"),
-    "after-w8a8": (["--quantize", "w8a8"], "after"),
-    "after-compiled": (["--compile-step", "on"], "after"),  # --compile-step: minutes of warm-up
+    "after-eager": (["--profile", "eager"], "after"),
+    "after-int8": (["--profile", "eager", "--quantize", "int8"], "after"),
+    "after-w8a8": (["--profile", "eager", "--quantize", "w8a8"], "after"),
+    "after-compiled": (["--compile-step", "on", "--quantize", "none"], "after"),  # minutes of warm-up
     "after-compiled-int8": (["--compile-step", "on", "--quantize", "int8"], "after"),
     "after-compiled-w8a8": (["--compile-step", "on", "--quantize", "w8a8"], "after"),
     "before-compiled-w8a8": (["--compile-step", "on", "--quantize", "w8a8"], "before"),

@@ -8,6 +8,9 @@ ever adds time, and every round is kept with the load average after it):
 
 * ``floor``: one bf16 matrix product reading as many weights as the GPT has (190 M for
   ChatTTS), plain and oneDNN-packed, the faster one: what reading the weights once costs;
+* ``floor-int8`` (where PyTorch has FBGEMM): one w8a8 product (FBGEMM's int8 × int8, the
+  ``--quantize w8a8`` step's kernel) reading as many int8 weights: the floor of the w8a8 step,
+  which reads half the bytes of a bf16 one;
 * ``products-<form>``: the GPT's 140 projections one by one, each form the step can use
   (``dense``: ``F.linear`` on bf16, what the step ran before issue #23; ``onednn-bf16``:
   prepacked; ``int8``: weight-only int8; ``w8a8``: int8 weights times per-row int8
@@ -50,6 +53,7 @@ from torch import nn
 
 from bench.harness.engine_bench import timed
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
+from server.engine.chattts.step.w8a8 import cpu_has_vnni, quantized_engine_available
 
 FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
 SPLIT = ("projections", "attention", "kv_write", "llama_rest", "step_rest")
@@ -140,6 +144,30 @@ def floor(weights: int, batch: int, hidden: int) -> dict[str, Callable[[], None]
     packed = PackedLinear(w)
     x = torch.randn(batch, hidden, dtype=torch.bfloat16)
     return {"plain": lambda: F.linear(x, w), "packed": lambda: packed(x)}
+
+
+def int8_floor(weights: int, hidden: int) -> Callable[[int], Callable[[], torch.Tensor]] | None:
+    """One w8a8 product over ``weights`` int8 parameters, for a batch: ``floor(batch)`` (None without FBGEMM).
+
+    FBGEMM's dynamic int8 product as :class:`~server.engine.chattts.step.w8a8.W8A8Linear` calls it
+    (per-channel int8 weights, each call quantizing its float32 rows), over one matrix packed
+    once: the same weight bytes as the GPT's, read once per call.
+    """
+    if not quantized_engine_available():
+        return None
+    rows = weights // hidden
+    w = torch.randn(rows, hidden)
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+    q = torch.quantize_per_channel(w, scale, torch.zeros(rows, dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(q, None)
+    del w, q
+    reduce_range = not cpu_has_vnni()
+
+    def for_batch(batch: int) -> Callable[[], torch.Tensor]:
+        x = torch.randn(batch, hidden)
+        return lambda: torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+
+    return for_batch
 
 
 class Split:
@@ -332,6 +360,7 @@ def main() -> int:
     splits: dict[str, dict[str, dict[str, float]]] = {}
     loads: list[float] = []
     compiled: dict[str, Any] = {}
+    int8 = int8_floor(weights, int(config.hidden_size))  # packed once: every round reads the same weights
     with torch.inference_mode():
         fill_slots(engine, max(batches), length)
         if args.compile:
@@ -346,6 +375,8 @@ def main() -> int:
                 cases: dict[str, Callable[[], Any]] = {}
                 fl = floor(weights, batch, int(config.hidden_size))
                 cases["floor-plain"], cases["floor-packed"] = fl["plain"], fl["packed"]
+                if int8 is not None:
+                    cases["floor-int8"] = int8(batch)
                 for form in FORMS:
                     cases[f"products-{form}"] = forms.products(form, batch)
                 cases["transformers"] = transformers.token(batch, length)

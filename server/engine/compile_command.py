@@ -28,9 +28,10 @@ def add_compile_command(commands: Any, env: Mapping[str, str]) -> None:
         "compile",
         help="compile the CPU token step ahead of time into the cache dir (for images, init containers)",
         usage="%(prog)s [FLAG ...]",
-        description="Load the engine with serve's flags (--compile-step on, and the --quantize, --dtype, "
-        "--max-batch and model flags serve will run with) and compile its token step into "
-        "<cache dir>/compiled, where serve with the same flags on this kind of machine finds it. "
+        description="Load the engine with serve's flags (--profile realtime, the default, or "
+        "--compile-step on, and the --quantize, --dtype, --max-batch and model flags serve will run "
+        "with) and compile its token step into <cache dir>/compiled, where serve with the same flags "
+        "on this kind of machine finds it. "
         "Exits 0 when the step compiled, 1 when it fell back to the eager step, 2 for a flag error.",
     )
     add_settings_arguments(parser, env)
@@ -42,8 +43,11 @@ def run_compile(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if settings.compile_step != "on":
-        print("chattts-stream compile: nothing to compile: pass --compile-step on (CHATTTS_COMPILE_STEP=on)")
+    if settings.compile_step == "off" or (settings.compile_step == "auto" and settings.profile != "realtime"):
+        print(
+            "chattts-stream compile: nothing to compile: the step compiles under --profile realtime "
+            "(the default) or --compile-step on (CHATTTS_COMPILE_STEP=on)"
+        )
         return 2
     if settings.engine != "chattts":
         print(f"chattts-stream compile: --engine {settings.engine} has no step to compile")

@@ -105,6 +105,10 @@ def parse_block_schedule(text: str) -> tuple[int, ...]:
 def engine_options(settings: Settings) -> EngineOptions:
     """The ChatTTS engine's options from the flags (those it has no flag for keep their defaults).
 
+    ``settings`` should have its profile applied (:func:`server.engine.profiles.apply_profile`,
+    which needs the device); a step flag still at ``auto`` counts as off here, which is enough to
+    check the other flags before anything loads.
+
     Raises:
         ValueError: one line naming the flag to change.
     """
@@ -139,7 +143,7 @@ def engine_options(settings: Settings) -> EngineOptions:
         cuda_graphs=settings.cuda_graphs == "on",
         compile_step=settings.compile_step == "on",
         compile_cache_dir=str(compiled_root(settings)),
-        quantize=settings.quantize,
+        quantize="none" if settings.quantize == "auto" else settings.quantize,
         vocoder_dtype=settings.vocoder_dtype,
         refine_max_tokens=settings.refine_max_tokens,
         voice_max_seconds=settings.voice_max_seconds,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from server.config import Settings
 from server.engine.flags import engine_options, inherited_wait_policy, parse_cpus, thread_environment
+from server.engine.profiles import apply_profile
 from server.engine.weights.locate import cache_root, hub_cache, locate
 from server.errors import StartupError
 
@@ -57,7 +58,7 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         ModelUnavailable: at once, for an engine flag out of range (the message names it).
     """
     try:
-        options = engine_options(settings)
+        engine_options(settings)  # every engine flag checked, named, before anything loads
         cpus = parse_cpus(settings.engine_cpus, _available_cpus())
         if cpus and not hasattr(os, "sched_setaffinity"):
             raise ValueError(f"--engine-cpus {settings.engine_cpus!r}: this platform cannot pin threads")
@@ -75,6 +76,8 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         from server.engine.chattts.engine import ChatTTSEngine
         from server.engine.chattts.step.decode_attention import server_build_root
 
+        chosen = profiled(settings)  # the step flags the profile sets need the device
+
         # The compiled step's C++ attention is built once into the cache dir (a volume), not ~/.cache.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(server_build_root(cache_root(settings))))
 
@@ -88,11 +91,11 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
             engine = ChatTTSEngine.load(
                 model_dir=model_dir,
                 device=settings.device,
-                dtype=settings.dtype,
+                dtype=chosen.dtype,
                 num_threads=settings.threads or None,
                 cache_dir=hub_cache(settings),
                 verify_weights="none" if settings.verify_weights == "none" else "official",
-                options=options,
+                options=engine_options(chosen),
             )
         except ModelUnavailableError as exc:
             raise ModelUnavailable(_naming_the_flag(str(exc), settings)) from None
@@ -104,6 +107,26 @@ def chattts_engine_factory(settings: Settings) -> Callable[[], Engine]:
         return engine
 
     return build
+
+
+def profiled(settings: Settings) -> Settings:
+    """``settings`` with ``--profile`` applied for the device it names, logged in one line.
+
+    Imports torch (the device, FBGEMM): call it where the engine is built.
+
+    Raises:
+        ModelUnavailable: a ``--device`` torch cannot parse.
+    """
+    from server.engine.chattts.setup import resolve_device
+    from server.engine.chattts.step.w8a8 import quantized_engine_available
+
+    try:
+        device_type = resolve_device(settings.device).type
+    except (RuntimeError, ValueError) as exc:
+        raise ModelUnavailable(f"--device {settings.device!r}: {exc}") from None
+    applied = apply_profile(settings, device_type, w8a8_available=quantized_engine_available())
+    log.info("%s", applied.log_line())
+    return applied.settings
 
 
 def _naming_the_flag(message: str, settings: Settings) -> str:

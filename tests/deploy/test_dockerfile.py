@@ -28,6 +28,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from server.config import Settings, load_settings
+from server.engine.profiles import apply_profile
 from server.frontends.wyoming.server import exposure_problem
 from tests.deploy.manifests import render
 
@@ -37,7 +38,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 APP_DIR = "/opt/chattts-stream"
 #: The images built in full (their own USER, ports, health check), and every image.
 TARGETS = ("cpu", "gpu")
-IMAGES = ("cpu", "cpu-compile", "gpu")
+IMAGES = ("cpu", "gpu")
 #: A C++ compiler, as Debian's packages name it.
 COMPILER = re.compile(r"(g\+\+|c\+\+|gcc|clang|cpp)(-\d+)?|build-essential")
 #: The oldest Linux driver of each CUDA major version (NVIDIA's CUDA Toolkit release notes:
@@ -195,6 +196,13 @@ def image_settings(target: str) -> Settings:
     """The server's settings from the image's CHATTTS_* ENV (the server's own parser)."""
     env = {k: v for k, v in effective_env(target).items() if k.startswith("CHATTTS_")}
     return load_settings([], env=env)
+
+
+def default_step_compiles(settings: Settings) -> bool:
+    """Whether the server compiles its CPU step with these settings (``--profile`` applied for the
+    image's ``--device``; an image sets ``cpu`` or ``cuda``, so no torch is needed to know it)."""
+    device_type = "cuda" if settings.device.startswith("cuda") else "cpu"
+    return apply_profile(settings, device_type, w8a8_available=True).settings.compile_step == "on"
 
 
 def http_api_port(settings: Settings) -> int:
@@ -473,8 +481,9 @@ def test_a_compiler_only_where_the_default_step_compiles(image: str) -> None:
     decides: ``--compile-step on`` needs a C++ compiler (inductor, the step's C++ attention);
     every other step needs none, so the image carries none. The base has none either (the
     official Python image purges the one it builds Python with)."""
-    compiles = image_settings(image).compile_step == "on"
-    assert has_compiler(image) == compiles, f"{image}: compile_step={image_settings(image).compile_step}"
+    settings = image_settings(image)
+    compiles = default_step_compiles(settings)
+    assert has_compiler(image) == compiles, f"{image}: profile={settings.profile} device={settings.device}"
     if compiles:
         # The kernels it compiles are kept in the server's cache dir (<cache dir>/compiled, keyed),
         # which must be a volume: a restart reuses them. A TORCHINDUCTOR_CACHE_DIR would be
@@ -489,23 +498,14 @@ def test_a_compiler_only_where_the_default_step_compiles(image: str) -> None:
 
 
 def test_the_images_default_steps() -> None:
-    """cpu runs the server's default step, cpu-compile the compiled one; the rule above holds
-    either way (if the server's CPU default became the compiled step, the cpu image would
-    need the compiler, and that test says so)."""
-    assert image_settings("cpu").compile_step == Settings().compile_step
-    assert image_settings("cpu-compile").compile_step == "on"
+    """Both images run the server's default profile: on the cpu image that compiles the step (so
+    it carries g++, the rule above), on the gpu image it replays CUDA graphs (no compiler)."""
+    for image in IMAGES:
+        assert image_settings(image).profile == Settings().profile == "realtime"
+        assert image_settings(image).compile_step == "auto"
+    assert default_step_compiles(image_settings("cpu")) and not default_step_compiles(image_settings("gpu"))
+    assert set(apt_installs("cpu")) - set(apt_installs("gpu")) == {"g++"}
     assert COMPILER.fullmatch("g++") and COMPILER.fullmatch("gcc-12") and not COMPILER.fullmatch("libgcc-s1")
-
-
-def test_cpu_compile_is_the_cpu_image_and_a_compiler() -> None:
-    stage = STAGES["cpu-compile"]
-    assert stage.base == "cpu"
-    # Root only to install; the image runs as the cpu image's user.
-    assert stage.values("USER")[-1] == STAGES["cpu"].values("USER")[-1]
-    assert not {"COPY", "ENTRYPOINT", "CMD", "EXPOSE", "HEALTHCHECK"} & {
-        inst for inst, _ in stage.instructions
-    }
-    assert set(apt_installs("cpu-compile")) - set(apt_installs("cpu")) == {"g++"}
 
 
 @pytest.mark.parametrize("values_files", [(), ("values-cpu.yaml",)], ids=["gpu", "cpu"])
@@ -519,7 +519,7 @@ def test_the_charts_image_fits_its_settings(values_files: tuple[str, ...]) -> No
     image_env = {k: v for k, v in effective_env(tag).items() if k.startswith("CHATTTS_")}
     settings = load_settings([], env={**image_env, **pod_env})
     assert settings.device == image_settings(tag).device
-    assert has_compiler(tag) or settings.compile_step != "on"
+    assert has_compiler(tag) or not default_step_compiles(settings)
 
 
 def test_no_secrets_in_the_image() -> None:

@@ -73,6 +73,7 @@ async def make_model_app(tiny_model_dir: Path) -> AsyncIterator[Callable[..., An
     async def make(*flags: str, prepare: Callable[[Any], None] | None = None) -> App:
         base = ["--engine", "chattts", "--model-dir", str(tiny_model_dir), "--device", TEST_DEVICE]
         base += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "0", "--cache-bytes", "0"]
+        base += ["--profile", "eager"]  # not the default's minutes of compiling (tests/conftest.py)
         settings = load_settings([*base, *flags], env={})
         build = chattts_engine_factory(settings)
 

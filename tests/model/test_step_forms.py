@@ -254,13 +254,23 @@ def _bf16_engine(model_dir: Path, **chosen: Any) -> Any:
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's slot dtype")
 def test_the_compiled_cpu_step_keeps_its_slots_in_the_model_dtype(tiny_model_dir: Path) -> None:
-    """Compiled, bf16 slots: half the memory and half the bytes each step reads; eager, float32."""
+    """Compiled, bf16 slots: half the memory and half the bytes each step reads; eager, float32.
+
+    And one spare position: no compiled step attends over a whole slot, whose view dynamo would
+    trace as graphs of their own (``step/compiled.py``).
+    """
+    from server.engine.chattts.step.runner import SPARE_POSITIONS
+
     eager, compiled = _bf16_engine(tiny_model_dir), _bf16_engine(tiny_model_dir, compile_step=True)
     try:
         assert eager._batch.kv.keys[0].dtype == torch.float32
         assert compiled._batch.kv.keys[0].dtype == torch.bfloat16
         assert compiled._batch.kv.values[0].dtype == torch.bfloat16
-        assert 2 * compiled.kv_cache_bytes == eager.kv_cache_bytes
+        positions, eager_positions = compiled._batch.kv.keys[0].shape[2], eager._batch.kv.keys[0].shape[2]
+        assert SPARE_POSITIONS == 1 and positions == eager_positions + 1 == compiled.max_len + 1
+        assert max(compiled._batch.length_buckets) == compiled.max_len < positions
+        assert max(eager._batch.length_buckets) == eager_positions  # the eager step: no spare needed
+        assert 2 * compiled.kv_cache_bytes * eager_positions == eager.kv_cache_bytes * positions
         assert compiled.info.extra["kv_cache_bytes"] == str(compiled.kv_cache_bytes)
     finally:
         eager.close()

@@ -7,7 +7,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vocos")
 
+from server.engine.chattts.step.compiled import HINT_LENGTH, compile_order
 from server.engine.chattts.step.graphs import EagerRunner
+from server.engine.chattts.step.kv import batch_buckets, length_buckets
 from server.engine.chattts.vocode import decode_groups
 
 
@@ -27,3 +29,19 @@ def test_decode_groups_one_call_or_runs_of_similar_length() -> None:
     assert decode_groups(lengths, 0.25) == [[0, 5, 2, 4], [3], [1]]  # 8 < 0.75 · 12
     assert decode_groups(lengths, 0.0) == [[0, 5], [2], [4], [3], [1]]
     assert decode_groups([], 0.25) == []
+
+
+def test_the_compiled_warmup_compiles_two_graphs_first_at_a_typical_length_then_meets_the_extremes() -> None:
+    """Batch 1's graph and the larger batches' graph are compiled by their first calls, at the bucket
+    holding :data:`HINT_LENGTH` (inductor's size hints); every batch then meets its shortest and
+    longest length, which compile nothing (a guard that did would be met here, not while serving)."""
+    lengths = length_buckets(3120, 64)
+    order = compile_order([(b, n) for b in batch_buckets(8) for n in lengths])
+    assert HINT_LENGTH in lengths
+    assert order[0] == (1, HINT_LENGTH) and order[3] == (2, HINT_LENGTH)
+    assert order == [
+        (1, 256), (1, 16), (1, 3120),
+        (2, 256), (2, 16), (2, 3120),
+        (4, 16), (4, 3120),
+        (8, 16), (8, 3120),
+    ]  # fmt: skip

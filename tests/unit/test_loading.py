@@ -47,7 +47,7 @@ def test_cuda_graphs_flag_and_variable() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--cuda-graphs", "maybe"], env={})
     assert load_settings([], env={"CHATTTS_SEGMENT_MAX_TOKENS": "900"}).segment_max_tokens == 900
-    assert load_settings([], env={}).compile_step == "off"
+    assert load_settings([], env={}).compile_step == "auto"  # --profile decides (tests/unit/test_profiles.py)
     assert load_settings([], env={"CHATTTS_COMPILE_STEP": "on"}).compile_step == "on"
     with pytest.raises(SystemExit):
         load_settings(["--compile-step", "yes"], env={})

@@ -22,8 +22,8 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     out = tmp_path / "cpu"
     run_ok(
         "bench.cpu", "--model-dir", str(tiny_model_dir),
-        "--parts", "step,servers,ratio", "--systems", "after", "--concurrency", "1", "--duration", "1",
-        "--ratio-systems", "after", "--ratio-rounds", "2", "--ratio-concurrency", "1",
+        "--parts", "step,servers,ratio", "--systems", "after-eager", "--concurrency", "1", "--duration", "1",
+        "--ratio-systems", "after-eager", "--ratio-rounds", "2", "--ratio-concurrency", "1",
         "--max-audio-s", "0.5", "--text-sizes", "short", "--step-rounds", "1", "--step-batches", "1,2",
         "--step-iterations", "1", "--out", str(out),
         timeout=600,
@@ -32,6 +32,7 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     rows = result["step"]["rows"]
     for name in (
         "floor-plain",
+        "floor-int8",  # the w8a8 step's floor (FBGEMM: products-w8a8 below needs it too)
         "products-dense",
         "products-onednn-bf16",
         "products-int8",
@@ -45,21 +46,21 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
         split = result["step"]["splits"][f"step-{form}@2"]
         assert split["projections"] > 0 and split["total"] >= split["projections"]
         assert result["step"]["profiles"][f"step-{form}@1"]
-    server, ratio_server = result["systems"]["after"]  # part 'servers' started one, part 'ratio' another
+    server, ratio_server = result["systems"]["after-eager"]  # 'servers' started one, 'ratio' another
     assert server["hello"]["compute"]["quantize"] == "none"
     assert ratio_server["hello"]["compute"]["quantize"] == "none"
     # Part 'ratio': server then engine, then engine then server, each tagged with its round.
     sides = [(s["ratio_round"], s["system"]) for s in result["ratio_scenarios"]]
-    assert sides == [(0, "after"), (0, "engine-direct"), (1, "engine-direct"), (1, "after")]
+    assert sides == [(0, "after-eager"), (0, "engine-direct"), (1, "engine-direct"), (1, "after-eager")]
     assert all(s["concurrency"] == 1 and s["summary"]["streams"] >= 1 for s in result["ratio_scenarios"])
-    [scenario] = [s for s in result["scenarios"] if s["system"] == "after"]
+    [scenario] = [s for s in result["scenarios"] if s["system"] == "after-eager"]
     assert scenario["concurrency"] == 1 and scenario["summary"]["streams"] >= 1
     figures = scenario["engine_thread"]  # the server's inference thread, from its /metrics
     assert figures["engine_steps"] > 0 and 0 < figures["engine_busy"] <= 1.2
     assert figures["tokens_per_block"] > 0 and figures["rows_per_step"] == 1  # one stream at a time
     assert figures["step_ms_per_token"] > 0
     md = out.with_name("cpu.md").read_text()
-    assert "## Targets" in md and "| after c1 |" in md
+    assert "## Targets" in md and "| after-eager c1 |" in md
     assert "step ms per token step" in md
     assert "## Server against its engine in-process, interleaved" in md
-    assert "after: server ≥ 0.95× the engine in-process at c1" in md and "2 interleaved rounds" in md
+    assert "after-eager: server ≥ 0.95× the engine in-process at c1" in md and "2 interleaved rounds" in md

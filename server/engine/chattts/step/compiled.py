@@ -10,8 +10,15 @@ opaque oneDNN weight inductor cannot trace, so under this runner the projections
 transformers' ``nn.Linear`` (or :class:`~server.engine.chattts.step.linear.Int8Linear`).
 
 One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
-batch of 1 (its 0/1 rule) and an attention over a whole slot, so there are four graphs
-(batch 1 or more, the longest length or any other), each for every other shape. Measured
+batch of 1 (its 0/1 rule), so there are two graphs (batch 1, and every larger batch), each for
+every attention length. There were four: a view of all of a slot's positions is contiguous
+where any shorter one is not, and the contiguity checks in the attention's matmul (batch 1)
+and in the C++ attention's inputs (AOTAutograd, batches) made the longest length a graph of
+its own. A compiled step's KV slots hold one spare position past the longest length
+(:data:`~server.engine.chattts.step.runner.SPARE_POSITIONS`), so no step views a whole slot
+(``TORCH_LOGS=recompiles``; ``bench/results/cpu/graphs-epyc-2core.md``). Batch 1 keeps its
+own graph: sharing one would mean stepping it as two rows (the single stream's latency) or an
+unbacked batch size, neither measured. Measured
 on this project's 2-core AMD EPYC (full-size model, bf16): the step at batch 1 takes
 22-25 ms against 37-38 ms eager and prepacked, 31-32 ms at batch 8 over 512 positions
 against about 46; end to end 1.13x the audio per second at one stream and 1.06x at eight
@@ -59,8 +66,10 @@ def compile_order(shapes: Sequence[Shape]) -> list[Shape]:
     and the first call of batch 1, and of the first larger batch, compiles the graph that
     every other length of that batch class shares: so those two run first at
     :data:`HINT_LENGTH` (the bucket holding it), a typical length rather than the shortest
-    (a precaution: the difference was not measured). The longest length is a graph of its
-    own (dynamo specializes an attention over the whole slot), so it is met too: four graphs.
+    (a precaution: the difference was not measured): two graphs. The shortest and longest
+    lengths of every batch run too, compiling nothing: a shape that did need a graph of its
+    own (a guard the spare KV position does not cover) is met here rather than stepped
+    eagerly while serving.
     """
     order: list[Shape] = []
     for i, (batch, seen) in enumerate(lengths_by_batch(shapes).items()):

@@ -47,6 +47,9 @@ __all__ = ["Interrupt", "Row", "RunnerFactory", "SlotBatch", "SlotLayout", "Toke
 
 log = logging.getLogger(__name__)
 
+#: Positions a compiled step's KV slots hold past the longest attention length (see ``SlotBatch``).
+SPARE_POSITIONS = 1
+
 #: Builds the step runner around the static step (tests pass a recording one).
 RunnerFactory = Callable[[StepFn], StepRunner]
 
@@ -104,7 +107,10 @@ class SlotBatch:
             layers=layout.layers,
             slots=layout.slots,
             kv_heads=layout.kv_heads,
-            max_len=layout.max_len,
+            # Compiled: one position more than any step attends over. A view of all of a slot's
+            # positions is contiguous where any shorter one is not, and dynamo traced that longest
+            # length as graphs of their own (compiled.py: why two graphs, not four).
+            max_len=layout.max_len + (SPARE_POSITIONS if compiled else 0),
             head_dim=layout.head_dim,
             dtype=kv_dtype(dtype, device, compiled=compiled),
             device=device,

@@ -1,0 +1,30 @@
+"""``bench.cpu.report``'s issue #46 margin: the batch-1 compiled w8a8 step ÷ the int8 floor, one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.cpu.report import INT8_FLOOR_RATIO, targets
+
+
+def _step(**best_ms: float) -> dict[str, Any]:
+    rows = {f"{name}@1": {"ms": [ms], "best_ms": ms, "best_cpu_ms": ms} for name, ms in best_ms.items()}
+    return {"rows": rows, "batches": [1]}
+
+
+def _margin(step: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    return [row for row in targets({"step": step, "scenarios": []}) if "int8 floor" in row[0]]
+
+
+def test_the_step_over_its_int8_floor_is_a_target_of_the_run() -> None:
+    [(what, numbers, met)] = _margin(_step(**{"step-compiled-w8a8": 12.0, "floor-int8": 8.0}))
+    assert what == f"batch-1 compiled w8a8 step ≤ {INT8_FLOOR_RATIO:g}× the int8 floor"
+    assert numbers.startswith("12.00 / 8.00 ms = 1.50×") and met is True
+    [(_, numbers, met)] = _margin(_step(**{"step-compiled-w8a8": 13.0, "floor-int8": 8.0}))
+    assert "1.62×" in numbers and met is False
+
+
+def test_no_margin_without_both_rows() -> None:
+    """A run without ``--compiled-step w8a8`` (or without FBGEMM) reports no ratio rather than a wrong one."""
+    assert _margin(_step(**{"floor-int8": 8.0})) == []
+    assert _margin(_step(**{"step-compiled-w8a8": 12.0})) == []
