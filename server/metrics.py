@@ -118,12 +118,13 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self._own = CollectorRegistry()  # what only this process knows (no multiprocess form)
         self.engine = Info(
             "chattts_engine",
             "The loaded engine: name, device, dtype, weights (official, unverified or random)",
-            registry=self._own,
+            registry=r,
         )
+        self._own = CollectorRegistry()  # what only this process knows (no multiprocess form)
+        self._own.register(self.engine)
         self.gpu_memory_bytes = Gauge(
             "chattts_gpu_memory_allocated_bytes",
             "Accelerator memory allocated (0 without one)",
@@ -164,4 +165,4 @@ class Metrics:
             merged = CollectorRegistry()
             MultiProcessCollector(merged, path=folder)  # type: ignore[no-untyped-call]
             return generate_latest(merged) + generate_latest(self._own)
-        return generate_latest(self.registry) + generate_latest(self._own)
+        return generate_latest(self.registry)
