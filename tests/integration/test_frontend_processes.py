@@ -219,3 +219,21 @@ def _value(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--frontend-processes", "0"), "--frontend-processes must be 1 or more"),
+        (("--frontend-processes", "2", "--engine", "chattts"), "--engine-process runs only the fake engine"),
+    ],
+)
+async def test_a_form_that_cannot_run_fails_the_start_with_one_line(
+    flags: tuple[str, ...], message: str
+) -> None:
+    proc = await spawn_server(
+        "--port", str(free_port()), *flags, env={**os.environ}, stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(DEADLINE_S):
+        _, err = await proc.communicate()
+    assert proc.returncode == 2 and message in err.decode()

@@ -130,3 +130,19 @@ async def test_only_the_control_connection_stops_the_engine() -> None:
         assert not core.stopped
         control.send(ev.Shutdown())
         await until(lambda: core.stopped)
+
+
+async def test_a_voice_request_is_answered_on_the_connection_that_asked() -> None:
+    core = RecordingCore()
+    hub = Hub(cast(EngineCore, core))
+    audio = np.zeros(8, dtype=np.float32)
+    async with connected(hub) as one, connected(hub) as two:
+        one.send(ev.EncodeVoice(1, audio, "one"))
+        two.send(ev.EncodeVoice(1, audio, "two"))  # the same request id on another connection
+        await until(lambda: len(core.commands) == 2)
+        asked = {c.transcript: c.request_id for c in cast(list[ev.EncodeVoice], core.commands)}
+        assert asked["one"] != asked["two"]
+        hub.dispatch([ev.VoiceEncoded(asked["two"], None, "too short")], MetricOps())
+        (answer,), _ = await two.batch()
+        assert isinstance(answer, ev.VoiceEncoded)  # (compared by its fields: it holds an array)
+        assert (answer.request_id, answer.codes, answer.message) == (1, None, "too short")
