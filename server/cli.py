@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # websockets logs every HTTP probe at INFO; health checks would flood the log.
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if settings.frontend_processes < 1:
+        print("chattts-stream: --frontend-processes must be 1 or more", file=sys.stderr)
+        return 2
     if settings.frontend_processes > 1:
         from server.supervisor import supervise
 
