@@ -9,7 +9,9 @@ connections over them) and reach the engine through ``--engine-socket``. It:
 - binds the ports first (a busy port fails the start at once, and ``--port 0`` becomes one
   port all children share), and holds them (bound, never listening) until it ends;
 - starts the engine process, waits for its engine to load, then starts the children;
-- restarts a child that dies (its clients reconnect to the others meanwhile; a resume landing
+- stops everything with exit status 2 when a child's start fails (exit status 2: the flags
+  fail every child the same way, e.g. an unreadable ``--api-keys-file``);
+- restarts a child that dies otherwise (its clients reconnect to the others meanwhile; a resume landing
   on another child than its stream's fails cleanly with ``not_found``);
 - lets the engine link restart a dead engine process: every child is not ready meanwhile;
 - gives each child ``PROMETHEUS_MULTIPROC_DIR`` so that ``/metrics`` on any of them is the
@@ -71,6 +73,8 @@ class Supervisor:
         self._sockets: list[socket.socket] = []
         self._children: dict[int, asyncio.subprocess.Process] = {}  # slot → the child now in it
         self._stopping = False
+        self._stop: asyncio.Event | None = None
+        self._failed_start = False  # a child's start failed: its flags fail every child
 
     async def run(self) -> int:
         """Start everything, serve until SIGTERM/SIGINT, drain; the exit status.
@@ -79,7 +83,7 @@ class Supervisor:
             StartupError: a port cannot be bound, or the engine cannot be loaded.
         """
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         s = self.settings
@@ -106,12 +110,17 @@ class Supervisor:
                 for slot in range(s.frontend_processes)
             ]
             await stop.wait()
-            log.info("signal received: draining %d front-end processes", len(self._children))
+            if self._failed_start:
+                log.error("a front-end process could not start (exit status 2): stopping")
+            else:
+                log.info("signal received: draining %d front-end processes", len(self._children))
             self._stopping = True
             for child in list(self._children.values()):
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGTERM)
             codes = await asyncio.gather(*keepers)
+            if self._failed_start:
+                return 2
             return 0 if all(code == 0 for code in codes) else 1
         finally:
             self._stopping = True
@@ -152,6 +161,11 @@ class Supervisor:
             code = await child.wait()
             mark_process_dead(child.pid, str(self._metrics_dir))  # type: ignore[no-untyped-call] # its live gauges leave /metrics
             if self._stopping:
+                return code
+            if code == 2:  # the command line's start-up error (one line on stderr): the same for all
+                self._failed_start = True
+                assert self._stop is not None
+                self._stop.set()
                 return code
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
             log.error("front-end process %d (pid %d) ended (%s); restarting it", slot, child.pid, how)

@@ -206,6 +206,21 @@ async def test_an_engine_process_that_dies_makes_the_children_not_ready_until_it
     await ws.close()
 
 
+async def finished(proc: asyncio.subprocess.Process) -> str:
+    """Its stderr once it exits (within the deadline; killed with its children when it does not)."""
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            for pid in children_of(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            await proc.wait()
+    return err.decode()
+
+
 def _get(port: int, path: str) -> str:
     import urllib.request
 
@@ -234,6 +249,18 @@ async def test_a_form_that_cannot_run_fails_the_start_with_one_line(
     proc = await spawn_server(
         "--port", str(free_port()), *flags, env={**os.environ}, stderr=asyncio.subprocess.PIPE
     )
-    async with asyncio.timeout(DEADLINE_S):
-        _, err = await proc.communicate()
-    assert proc.returncode == 2 and message in err.decode()
+    err = await finished(proc)
+    assert proc.returncode == 2 and message in err
+
+
+async def test_a_child_that_cannot_start_stops_the_supervisor_with_its_error(tmp_path: Path) -> None:
+    # The children read the keys file (the supervisor does not): every child fails the same way.
+    missing = tmp_path / "no-such-keys"
+    proc = await spawn_server(
+        *("--engine", "fake", "--port", str(free_port()), "--frontend-processes", "2"),
+        *("--api-keys-file", str(missing)),
+        env={**os.environ},
+        stderr=asyncio.subprocess.PIPE,
+    )
+    err = await finished(proc)
+    assert proc.returncode == 2 and "--api-keys-file" in err
