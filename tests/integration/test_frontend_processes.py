@@ -90,9 +90,14 @@ async def serve(*flags: str) -> AsyncIterator[Served]:
         yield served
     finally:
         every = children_of(proc.pid) if proc.returncode is None else set()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        if proc.returncode is None:  # a drain (the supervisor removes its folder); killed past the deadline
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(DEADLINE_S):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
         for pid in every:  # a failed test leaves nothing behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
