@@ -73,9 +73,15 @@ class App:
     def _engine_process(self, settings: Settings, factory: Callable[[], Engine] | None) -> ProcessLink | None:
         """With ``--engine-process``: the link to the engine process (None: a thread of this one).
 
+        A front-end process of ``--frontend-processes N`` connects to the shared one instead.
+
         Raises:
             StartupError: an engine the engine process cannot build (one given in code, ChatTTS).
         """
+        if settings.engine_socket:
+            return ProcessLink(
+                settings, text=text_side(settings), metrics=self.metrics, connect=settings.engine_socket
+            )
         if not settings.engine_process:
             return None
         if factory is not None:
@@ -247,7 +253,8 @@ class App:
         await self.drain()
 
     def _bind(self, port: int, flag: str) -> socket.socket:
-        return bind_socket(self.settings.host, port, flag, self._sockets)
+        shared = bool(self.settings.engine_socket)  # one of --frontend-processes N: they share the ports
+        return bind_socket(self.settings.host, port, flag, self._sockets, reuse_port=shared)
 
     def _bind_http(self) -> socket.socket | None:
         """The HTTP API's socket: ``--http-port``; by default the WebSocket port + 1 (0 = off).

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from server.config import add_settings_arguments, settings_from_namespace
+from server.config import Settings, add_settings_arguments, settings_from_namespace
 from server.engine.compile_command import add_compile_command, run_compile
 from server.engine.weights.command import add_weights_command, run_weights
 
@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _role(settings: Settings) -> str:
+    """The log lines' prefix under ``--frontend-processes N``: which process wrote them."""
+    if settings.frontend_processes > 1:
+        return "supervisor "
+    return f"front-end {os.getpid()} " if settings.engine_socket else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chattts-stream`` console script."""
     args = _parser().parse_args(argv)
@@ -64,10 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from_namespace(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {_role(settings)}%(name)s: %(message)s",
     )
     # websockets logs every HTTP probe at INFO; health checks would flood the log.
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if settings.frontend_processes < 1:
+        print("chattts-stream: --frontend-processes must be 1 or more", file=sys.stderr)
+        return 2
+    if settings.frontend_processes > 1:
+        from server.supervisor import supervise
+
+        return supervise(settings, list(sys.argv[1:] if argv is None else argv))
     import uvloop
 
     from server.app import App

@@ -192,6 +192,15 @@ class Settings:
         "run the engine core and the model in a process of their own, behind a local socket, so the "
         "front ends' Python never holds the engine's GIL (fake engine only for now)",
     )
+    frontend_processes: int = _opt(
+        1,
+        "front-end processes sharing the ports (SO_REUSEPORT) over one engine process, so the front "
+        "ends use N cores; 1: one process; 2+: implies --engine-process (fake engine only for now); "
+        "per-client limits then hold per process",
+    )
+    engine_socket: str = _opt(
+        "", "internal (set by --frontend-processes for its children): the engine process's Unix socket"
+    )
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     max_buffer_delay_ms: float = _opt(
         800.0, "incremental streams: speak a stalled clause after this long without text"
@@ -245,12 +254,14 @@ class Settings:
         256 * 1024 * 1024, "bytes all replay buffers may hold; delivered ones go first"
     )
     cache_bytes: int = _opt(64 * 1024 * 1024, "response cache for seeded requests, in bytes (0: off)")
-    rate_limit_per_min: float = _opt(0.0, "streams a client may start per minute (0: unlimited)")
+    rate_limit_per_min: float = _opt(
+        0.0, "streams a client may start per minute, per front-end process (0: unlimited)"
+    )
     rate_limit_burst: int = _opt(10, "streams a client may start at once before the rate applies")
     max_connections_per_client: int = _opt(
         0,
         "open connections per client, all ports together (0: unlimited); over it: WebSocket close 1013, "
-        "HTTP 503 (counted by IP, not with --trust-forwarded-for), Wyoming error",
+        "HTTP 503 (counted by IP, not with --trust-forwarded-for), Wyoming error; per front-end process",
     )
     api_keys: str = _opt("", "comma-separated API keys; when set, every connection must present one")
     api_keys_file: str = _opt("", "file with one API key per line (added to --api-keys)")
@@ -314,7 +325,7 @@ class Settings:
         512 * 1024 * 1024,
         "bytes buffered for all clients together (replay buffers, unsent audio, audio waiting for "
         "the encoder); past it the streams of the client holding the most are freed, biggest first "
-        "(their connections aborted); 0: no budget",
+        "(their connections aborted); per front-end process; 0: no budget",
     )
     invalid_messages_per_s: float = _opt(
         20.0,

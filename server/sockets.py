@@ -7,10 +7,14 @@ import socket
 from server.errors import StartupError
 
 
-def bind_socket(host: str, port: int, flag: str, opened: list[socket.socket]) -> socket.socket:
+def bind_socket(
+    host: str, port: int, flag: str, opened: list[socket.socket], *, reuse_port: bool = False
+) -> socket.socket:
     """A non-blocking socket bound to ``host:port`` (not yet listening), appended to ``opened``.
 
-    ``opened`` is the caller's list of sockets to close if the start fails later.
+    ``opened`` is the caller's list of sockets to close if the start fails later. With
+    ``reuse_port`` (``--frontend-processes N``) several processes bind the same port and the
+    kernel spreads the new connections over those listening.
 
     Raises:
         StartupError: the address cannot be resolved (named ``--host``) or the port cannot be
@@ -26,6 +30,8 @@ def bind_socket(host: str, port: int, flag: str, opened: list[socket.socket]) ->
     opened.append(sock)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         raise StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None

@@ -1,10 +1,13 @@
 """The engine process: the engine core and its model, behind the socket the front end gave it.
 
-Run as ``python -m server.core.remote.host FD`` by :class:`~server.core.remote.link.ProcessLink`,
-``FD`` an inherited Unix stream socket. The first frame is the settings; the engine and the
-policy are built from them as in one process (``server.core.factory``). Commands read from
-the socket go to the core; the core's event batches are encoded on the inference thread (the
-event loop here only writes bytes) and written in order.
+Run as ``python -m server.core.remote.host FD [PATH]`` by :class:`~server.core.remote.link.ProcessLink`,
+``FD`` an inherited Unix stream socket. With ``PATH`` (``--frontend-processes N``) it also
+listens there for the front-end processes' connections, each served by the hub
+(``server.core.remote.hub``); ``FD`` is then the supervisor's control connection. The first
+frame is the settings; the engine and the policy are built from them as in one process
+(``server.core.factory``). Commands read from the socket go to the core; the core's event
+batches are encoded on the inference thread (the event loop here only writes bytes) and
+written in order (with a hub, routed and encoded on the event loop).
 
 This process's GIL is the inference thread's and this small loop's only: no front end,
 encoder or client connection competes with the engine's host work. It ignores SIGINT and
@@ -16,7 +19,10 @@ outlives its front end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,13 +31,14 @@ import threading
 from server.core.engine_core import EngineCore
 from server.core.events import CoreEvent, Shutdown
 from server.core.factory import build_engine_factory, policy_config
+from server.core.remote.hub import Hub
 from server.core.remote.recorder import MetricRecorder
-from server.core.remote.wire import decode_command, decode_settings, encode_events, read_frame
+from server.core.remote.wire import WireError, decode_command, decode_settings, encode_events, read_frame
 
 log = logging.getLogger(__name__)
 
 
-async def serve(sock: socket.socket) -> None:
+async def serve(sock: socket.socket, listen: str | None = None) -> None:
     """Read the settings, run the core until told to stop or the front end goes; flush its last events."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     first = await read_frame(reader)
@@ -45,7 +52,12 @@ async def serve(sock: socket.socket) -> None:
     recorder = MetricRecorder()
     ended = asyncio.Event()
 
+    hub: Hub | None = None
+
     def emit(events: list[CoreEvent]) -> None:  # the inference thread
+        if hub is not None:  # several connections: routed on the event loop
+            loop.call_soon_threadsafe(hub.dispatch, events, recorder.take())
+            return
         frame = encode_events(events, recorder.take())
         loop.call_soon_threadsafe(writer.write, frame)
 
@@ -63,12 +75,23 @@ async def serve(sock: socket.socket) -> None:
         finally:
             loop.call_soon_threadsafe(ended.set)
 
+    listening: asyncio.Server | None = None
+    if listen is not None:
+        hub = Hub(core)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(listen)  # the socket of an engine host that died before this one
+        listening = await asyncio.start_unix_server(functools.partial(_front_end, hub), path=listen)
     thread = threading.Thread(target=run, name="inference", daemon=True)
     thread.start()
-    commands = asyncio.create_task(_take_commands(reader, core), name="commands")
+    if hub is not None:
+        commands = asyncio.create_task(hub.serve(reader, writer, control=True), name="commands")
+    else:
+        commands = asyncio.create_task(_take_commands(reader, core), name="commands")
     loop_ended = asyncio.create_task(ended.wait(), name="loop-ended")
     await asyncio.wait([commands, loop_ended], return_when=asyncio.FIRST_COMPLETED)
     core.shutdown()  # the front end is gone, or the loop has ended already (then a no-op)
+    if listening is not None:
+        listening.close()  # new front ends are refused; those connected see the socket end
     await asyncio.to_thread(thread.join)
     for task in (commands, loop_ended):
         task.cancel()
@@ -79,6 +102,17 @@ async def serve(sock: socket.socket) -> None:
         writer.close()
     except ConnectionError:
         pass  # the front end went first: nobody to tell
+
+
+async def _front_end(hub: Hub, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One front-end process's connection: its settings frame (the control's are used), then commands."""
+    try:
+        if await read_frame(reader) is not None:
+            await hub.serve(reader, writer, control=False)
+    except WireError:
+        log.exception("a front-end connection sent a frame that does not decode: closed")
+    finally:
+        writer.close()
 
 
 async def _take_commands(reader: asyncio.StreamReader, core: EngineCore) -> None:
@@ -92,14 +126,14 @@ async def _take_commands(reader: asyncio.StreamReader, core: EngineCore) -> None
 
 
 def main(argv: list[str]) -> int:
-    """``python -m server.core.remote.host FD``."""
+    """``python -m server.core.remote.host FD [PATH]``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[1]))
     try:
         import uvloop
 
-        uvloop.run(serve(sock))
+        uvloop.run(serve(sock, argv[2] if len(argv) > 2 else None))
     finally:
         sock.close()
     return 0

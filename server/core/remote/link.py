@@ -11,6 +11,13 @@ the client at once (its streams end with an engine error and it is not ready), a
 is started again after :data:`RESTART_DELAY_S` (doubling up to :data:`MAX_RESTART_DELAY_S`
 while the new one dies before loading). Its ``Ready`` makes the client ready again. A process
 that dies before it ever loaded is not restarted: the server's start fails.
+
+With ``listen`` (the supervisor of ``--frontend-processes N``) the engine process also serves
+the front-end processes on that Unix socket path (``server.core.remote.hub``). With
+``connect`` (one of those front-end processes, ``--engine-socket PATH``) the link starts no
+process: it connects to that path, and when the connection ends (the engine host died; the
+supervisor restarts it) it tells the client it is lost and connects again every
+:data:`RESTART_DELAY_S`.
 """
 
 from __future__ import annotations
@@ -48,13 +55,24 @@ RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 10.0
 #: A stopping engine process ends after its current step; past this it is killed.
 STOP_TIMEOUT_S = 30.0
+#: How long a front-end process waits for the engine host's socket at its start.
+CONNECT_TIMEOUT_S = 60.0
 
 
 class ProcessLink:
     """The engine core in a child process, over a Unix socket pair."""
 
-    def __init__(self, settings: Settings, *, text: Engine, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        text: Engine,
+        metrics: Metrics,
+        listen: str | None = None,
+        connect: str | None = None,
+    ) -> None:
         self._settings = settings
+        self._listen, self._connect = listen, connect
         self._text = text
         self._metrics = metrics
         self._process: asyncio.subprocess.Process | None = None
@@ -74,8 +92,41 @@ class ProcessLink:
     async def start(self, deliver: Deliver, lost: Lost) -> None:
         """Start the engine process; its events go to ``deliver``, its death to ``lost``."""
         self._deliver, self._lost = deliver, lost
+        if self._connect is not None:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                # The socket appears when the engine host has started: polled, nothing to wait on.
+                while not await self._connected_to(self._connect):  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+            self._supervisor = asyncio.create_task(self._reconnecting(self._connect), name="engine-host")
+            return
         await self._spawn()
         self._supervisor = asyncio.create_task(self._supervise(), name="engine-process")
+
+    async def _connected_to(self, path: str) -> bool:
+        """Connect to the engine host's socket and say the settings; False while it is not there."""
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(path)
+        except OSError:
+            return False
+        self._writer.write(encode_settings(self._settings))
+        return True
+
+    async def _reconnecting(self, path: str) -> None:
+        """Pump events until the engine host's socket ends; unless stopping, lost, then connect again."""
+        while True:
+            await self._pump()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self._stopping:
+                return
+            log.error("the engine host's connection ended; streams in it failed; connecting again")
+            assert self._lost is not None
+            self._lost("the engine process ended; it is being restarted")
+            while not self._asked_to_stop() and not await self._connected_to(path):  # noqa: ASYNC110
+                await asyncio.sleep(RESTART_DELAY_S)
+            if self._asked_to_stop():
+                return
 
     async def _spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,6 +138,7 @@ class ProcessLink:
                 "-m",
                 "server.core.remote.host",
                 str(theirs.fileno()),
+                *([self._listen] if self._listen is not None else []),
                 pass_fds=(theirs.fileno(),),
                 env=env,
             )
@@ -167,6 +219,10 @@ class ProcessLink:
     def shutdown(self) -> None:
         """The engine process stops its core after the current step, then exits."""
         self._stopping = True
+        if self._connect is not None:  # the engine host is shared: this front end only leaves it
+            if self._writer is not None:
+                self._writer.close()
+            return
         self.send(Shutdown())
 
     async def join(self) -> None:
