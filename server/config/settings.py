@@ -1,23 +1,18 @@
-"""Server settings: one frozen ``Settings`` from CLI flags and ``CHATTTS_*`` variables.
+"""The server's settings: every field of the frozen ``Settings`` is a ``serve`` flag and a variable.
 
-This is the only module that reads the environment. Every field of
-:class:`Settings` is a ``serve`` flag (``--max-batch``) and an environment
-variable (``CHATTTS_MAX_BATCH``); a flag wins over the variable, which wins
-over the default. ``--help`` lists each with its variable and default.
-:mod:`server.engine.flags` turns the engine's flags into its options.
+Every field of :class:`Settings` is a ``serve`` flag (``--max-batch``) and an environment
+variable (``CHATTTS_MAX_BATCH``), declared here with its default, help and choices;
+:mod:`server.config.reader` reads them (a flag wins over the variable, which wins over the
+default). :mod:`server.engine.flags` turns the engine's flags into its options.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.chattts.options import QUANTIZE_CHOICES, VOCODER_DTYPE_CHOICES
-from server.flag_groups import GROUPS, group_of
 
 ENV_PREFIX = "CHATTTS_"
 #: The server's version (``hello.server``, the Wyoming ``info``).
@@ -344,70 +339,3 @@ class Settings:
     def server_name(self) -> str:
         """The ``server`` field of ``hello``."""
         return f"chattts-stream/{VERSION} ({self.engine})"
-
-
-def _env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def add_settings_arguments(
-    parser: argparse.ArgumentParser, env: Mapping[str, str], only: Collection[str] | None = None
-) -> None:
-    """Add one flag per ``Settings`` field (those in ``only``), under its topic; defaults come from ``env``.
-
-    The flags are added topic by topic (``server.flag_groups``), so ``--help`` reads by task.
-    """
-    fields = {f.name: f for f in dataclasses.fields(Settings) if only is None or f.name in only}
-    topics = {name: group_of(name) for name in fields}  # a field without a topic stops here, named
-    for topic in GROUPS:
-        names = [name for name in topic.fields if name in fields]
-        if not names:
-            continue
-        group = parser.add_argument_group(topic.title, topic.description)
-        for name in names:
-            assert topics[name] is topic
-            _add_setting(parser, group, fields[name], env)
-
-
-def _add_setting(
-    parser: argparse.ArgumentParser,
-    group: argparse._ArgumentGroup,
-    f: dataclasses.Field[Any],
-    env: Mapping[str, str],
-) -> None:
-    env_name = _env_name(f.name)
-    default = f.default
-    convert: Any = _parse_bool if isinstance(default, bool) else type(default)
-    if env_name in env:
-        try:
-            default = convert(env[env_name])
-        except ValueError as exc:
-            parser.error(f"{env_name}: {exc}")
-    help_text = f"{f.metadata['help']} [env {env_name}; default: {f.default!r}]"
-    flag = "--" + f.name.replace("_", "-")
-    if isinstance(f.default, bool):
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-    else:
-        group.add_argument(flag, type=convert, default=default, help=help_text, choices=f.metadata["choices"])
-
-
-def settings_from_namespace(namespace: argparse.Namespace) -> Settings:
-    """Build ``Settings`` from parsed arguments (extra attributes are ignored)."""
-    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(Settings)}
-    return Settings(**values)
-
-
-def load_settings(argv: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Settings:
-    """Parse ``serve`` flags from ``argv`` over ``CHATTTS_*`` variables (tests use this)."""
-    parser = argparse.ArgumentParser(prog="chattts-stream serve")
-    add_settings_arguments(parser, os.environ if env is None else env)
-    return settings_from_namespace(parser.parse_args(list(argv)))
