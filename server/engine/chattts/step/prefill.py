@@ -50,6 +50,7 @@ from server.engine.chattts.step.graphs import (
     CudaGraphRunner,
     EagerRunner,
     Shape,
+    StepFn,
     StepRunner,
     prepare_or_eager,
 )
@@ -235,7 +236,8 @@ class Prefill:
             dtype=dtype,
         )
         captured = cuda_graphs and device.type == "cuda"
-        runner: StepRunner = CudaGraphRunner(step, device) if captured else EagerPrefill(step)
+        eager = EagerPrefill(step, every_shape=device.type == "cuda")
+        runner: StepRunner = CudaGraphRunner(step, device) if captured else eager
         return cls(step, layout, budget=tokens, most=most, runner=runner)
 
     def length(self, prompt_tokens: int) -> int:
@@ -337,7 +339,7 @@ class Prefill:
             ints = [[slot, 0, 1, 1, 1, 0, 0] for slot in slots]
             self._upload(self.step.ints[: len(slots)], torch.tensor(ints, dtype=torch.long))
             self.runner, reason = prepare_or_eager(
-                self.runner, shapes, lambda: EagerPrefill(self.step), what="prefill"
+                self.runner, shapes, lambda: EagerPrefill(self.step, every_shape=self._cuda), what="prefill"
             )
             self.fallback = reason or self.fallback  # a later warm-up keeps the first reason
         finally:
@@ -355,13 +357,26 @@ class Prefill:
 
 
 class EagerPrefill(EagerRunner):
-    """Calls the prefill step directly; warm-up runs every shape.
+    """Calls the prefill step directly; warm-up runs every shape on CUDA, the smallest on the CPU.
 
     A prefill's products have ``count · length`` rows, so each shape has kernels of its own
-    (unlike the token step's, whose kernels depend on the batch alone: :class:`EagerRunner`).
+    (unlike the token step's, whose kernels depend on the batch alone: :class:`EagerRunner`):
+    on CUDA cuBLAS chooses them by size, and warm-up meets every shape. On the CPU a new shape
+    costs a oneDNN primitive's set-up, milliseconds against the prefill's own compute, while
+    running every shape once was most of the start-up: 97 shapes took 64.4 s of a 66.5 s engine
+    warm-up (full-size model, bf16, 2-core AMD EPYC). So the CPU runs the smallest shape only
+    (threads, allocator), and the engine's warm-up sequence prefills once more for real.
+
+    Args:
+        step: the prefill step, a function of (count, length).
+        every_shape: run every shape at :meth:`prepare` (CUDA), else the smallest (the CPU).
     """
 
+    def __init__(self, step: StepFn, *, every_shape: bool) -> None:
+        super().__init__(step)
+        self.every_shape = every_shape
+
     def prepare(self, shapes: Sequence[Shape]) -> None:
-        """Run every shape once."""
-        for count, length in shapes:
+        """Run every shape once (CUDA) or the smallest (the CPU)."""
+        for count, length in shapes if self.every_shape else sorted(shapes)[:1]:
             self._step(count, length)
