@@ -12,7 +12,7 @@ connections over them) and reach the engine through ``--engine-socket``. It:
 - stops everything with exit status 2 when a child's start fails (exit status 2: the flags
   fail every child the same way, e.g. an unreadable ``--api-keys-file``);
 - restarts a child that dies otherwise (its clients reconnect to the others meanwhile; a resume landing
-  on another child than its stream's fails cleanly with ``not_found``);
+  on another child than its stream's fails cleanly with ``unknown_stream``);
 - lets the engine link restart a dead engine process: every child is not ready meanwhile;
 - gives each child ``PROMETHEUS_MULTIPROC_DIR`` so that ``/metrics`` on any of them is the
   merged view (``server.metrics``);
