@@ -244,8 +244,11 @@ def _prefill_lengths(engine: Any) -> tuple[list[int], Any]:
 def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) -> None:
     """Prompts of many lengths reach the model at a few padded lengths, all of them seen in warm-up.
 
-    They start in one step, so they are prefilled together: every (rows, length) call of the
-    burst is one warm-up ran, and none holds more than the token budget (512) but a lone row.
+    They start in one step, so they are prefilled together: none holds more than the token
+    budget (512) but a lone row, and where warm-up meets every shape (CUDA, whose graphs and
+    cuBLAS choices are per shape) every (rows, length) call of the burst is one warm-up ran.
+    The CPU's warm-up prefills its smallest shape only (``EagerPrefill``: the others cost a
+    minute of a full-size start and have nothing to capture).
 
     One kernel shape per prompt length made the CPU process grow without end in the soak
     (bench/results/studies/rss-shapes-epyc-2core.md); this pins the mechanism that keeps it flat.
@@ -259,6 +262,7 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
         options=EngineOptions(prefill_bucket=16, warmup_prompt_chars=60, max_batch=32),
     )
     seen, handle = _prefill_lengths(engine)
+    warms_every_shape = getattr(engine._batch.prefiller.runner, "every_shape", True)
     calls: list[tuple[int, int]] = []
     shapes = engine._llama.layers[0].register_forward_pre_hook(lambda _m, a: calls.append(a[0].shape[:2]))
     try:
@@ -278,10 +282,11 @@ def test_prefill_is_bucketed_and_warmup_meets_every_bucket(tiny_model_dir: Any) 
     assert len(seen) == len(prompts)
     assert all(length % 16 == 0 for length in served)
     assert len(served) <= 6, served
-    assert served <= warmed, f"serving met prefill shapes warm-up never ran: {served - warmed}"
     assert max(b for b, _ in served_calls) > 1, "the burst was not prefilled together"
     assert all(b * n <= 512 or b == 1 for b, n in served_calls), served_calls
-    assert served_calls <= warmed_calls, f"calls warm-up never ran: {served_calls - warmed_calls}"
+    if warms_every_shape:
+        assert served <= warmed, f"serving met prefill shapes warm-up never ran: {served - warmed}"
+        assert served_calls <= warmed_calls, f"calls warm-up never ran: {served_calls - warmed_calls}"
 
 
 def test_padded_prefill_matches_unpadded_in_fp32(tiny_engine: Any, tiny_model_dir: Any) -> None:

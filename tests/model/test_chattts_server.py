@@ -208,6 +208,6 @@ async def test_resident_kv_memory_is_exported_as_it_changes(model_app: App) -> N
     await ws.close()
     assert log.done is not None and log.done["reason"] == "complete"
     assert 0 < max(seen) <= reserved
-    engine = model_app.engine_client._core.engine
+    engine = model_app.engine_client.engine
     assert engine is not None
     await wait_until(lambda: _gauge(model_app, "chattts_kv_resident_bytes") == engine.kv_resident_bytes())

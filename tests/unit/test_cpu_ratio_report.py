@@ -73,11 +73,11 @@ def test_the_target_is_the_ratio_of_the_means_of_complete_rounds() -> None:
 
 def test_a_slower_server_misses_and_single_runs_do_not_override_the_rounds() -> None:
     result = result_with(
-        [scenario("after", 2.0, 0), scenario("engine-direct", 2.4, 0)]  # 0.83×
+        [scenario("after-eager", 2.0, 0), scenario("engine-direct", 2.4, 0)]  # 0.83×
     )
     # A single-run pair in the main scenarios that would pass does not decide once rounds exist.
     result["scenarios"] = [
-        {**scenario("after", 3.0, None), "streams": [], "summary": single_summary(3.0)},
+        {**scenario("after-eager", 3.0, None), "streams": [], "summary": single_summary(3.0)},
         {**scenario("engine-direct", 3.0, None), "streams": [], "summary": single_summary(3.0)},
     ]
     rows = [r for r in targets(result) if "0.95×" in r[0]]
