@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -39,22 +38,18 @@ from pathlib import Path
 
 from prometheus_client.multiprocess import mark_process_dead
 
-import server
 from server.config import Settings
 from server.core.client import EngineClient
 from server.core.factory import build_engine_factory, policy_config, text_side
-from server.core.remote.link import ProcessLink
+from server.core.remote.link import Backoff, ProcessLink, child_environment
 from server.errors import StartupError
 from server.metrics import MULTIPROC_VARIABLE, Metrics
 from server.sockets import bind_socket
 
 log = logging.getLogger(__name__)
 
-_ROOT = str(Path(server.__file__).resolve().parents[1])
-#: A child that died is started again after this, doubling up to the maximum while it dies young.
-RESTART_DELAY_S = 0.5
-MAX_RESTART_DELAY_S = 10.0
-#: A child that lived this long before it died is restarted after the shortest delay again.
+#: A child that lived this long before it died is restarted after the shortest delay again
+#: (:class:`~server.core.remote.link.Backoff`).
 STABLE_S = 10.0
 
 
@@ -153,7 +148,7 @@ class Supervisor:
 
     async def _keep(self, slot: int, ports: tuple[int, int, int]) -> int:
         """Run one child; start it again when it dies, until the drain; its last exit status."""
-        delay = RESTART_DELAY_S
+        backoff = Backoff()
         while True:
             child = await self._spawn(ports)
             self._children[slot] = child
@@ -169,12 +164,7 @@ class Supervisor:
                 return code
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
             log.error("front-end process %d (pid %d) ended (%s); restarting it", slot, child.pid, how)
-            delay = (
-                RESTART_DELAY_S
-                if time.monotonic() - began > STABLE_S
-                else min(MAX_RESTART_DELAY_S, delay * 2)
-            )
-            await asyncio.sleep(delay)
+            await asyncio.sleep(backoff.next(lived=time.monotonic() - began > STABLE_S))
             if self._asked_to_stop():  # a drain during the delay
                 return 0
 
@@ -184,8 +174,7 @@ class Supervisor:
     async def _spawn(self, ports: tuple[int, int, int]) -> asyncio.subprocess.Process:
         """A ``serve`` child with the same flags, on the resolved ports, through the engine's socket."""
         ws, http, wyoming = ports
-        path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, MULTIPROC_VARIABLE: str(self._metrics_dir)}
+        env = child_environment(**{MULTIPROC_VARIABLE: str(self._metrics_dir)})
         flags = ["--port", str(ws), "--http-port", str(http), "--wyoming-port", str(wyoming)]
         flags += ["--frontend-processes", "1", "--engine-socket", self._socket_path]
         return await asyncio.create_subprocess_exec(

@@ -47,8 +47,8 @@ from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-#: The folder holding this ``server`` package: the engine process imports this very tree,
-#: wherever the front end was started from.
+#: The folder holding this ``server`` package: a child process imports this very tree,
+#: wherever the parent was started from.
 _ROOT = str(Path(server.__file__).resolve().parents[1])
 
 RESTART_DELAY_S = 0.5
@@ -57,6 +57,28 @@ MAX_RESTART_DELAY_S = 10.0
 STOP_TIMEOUT_S = 30.0
 #: How long a front-end process waits for the engine host's socket at its start.
 CONNECT_TIMEOUT_S = 60.0
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a ``python -m server…`` child, which imports this tree."""
+    path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+class Backoff:
+    """The wait before a dead process is started again (the engine process, a front-end child).
+
+    :data:`RESTART_DELAY_S`, doubling up to :data:`MAX_RESTART_DELAY_S` while it keeps dying
+    young, the shortest again once one lived.
+    """
+
+    def __init__(self) -> None:
+        self._delay = RESTART_DELAY_S
+
+    def next(self, *, lived: bool) -> float:
+        """The delay before the next start; ``lived``: the process that died had done its work."""
+        self._delay = RESTART_DELAY_S if lived else min(MAX_RESTART_DELAY_S, self._delay * 2)
+        return self._delay
 
 
 class ProcessLink:
@@ -130,8 +152,7 @@ class ProcessLink:
 
     async def _spawn(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
+        env = child_environment()
         try:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -151,7 +172,7 @@ class ProcessLink:
 
     async def _supervise(self) -> None:
         """Pump events until the process ends; bring it back unless stopping or it never loaded."""
-        delay = RESTART_DELAY_S
+        backoff = Backoff()
         while True:
             loaded = await self._pump()
             assert self._process is not None
@@ -167,8 +188,7 @@ class ProcessLink:
             self._lost(f"the engine process ended ({how}); it is being restarted")
             if not self._ever_loaded:
                 return
-            delay = RESTART_DELAY_S if loaded else min(MAX_RESTART_DELAY_S, delay * 2)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(backoff.next(lived=loaded))
             if self._asked_to_stop():  # a drain during the delay
                 return
             while not await self._respawned():
