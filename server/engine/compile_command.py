@@ -19,6 +19,7 @@ from typing import Any
 
 from server.config import add_settings_arguments, settings_from_namespace
 from server.engine.flags import compiled_root
+from server.engine.profiles import profile_values
 from server.errors import StartupError
 
 
@@ -43,7 +44,10 @@ def run_compile(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if settings.compile_step == "off" or (settings.compile_step == "auto" and settings.profile != "realtime"):
+    step = settings.compile_step
+    if step == "auto":  # as the profile sets it on a CPU, the only device whose step compiles
+        step = profile_values(settings.profile, "cpu", w8a8_available=True)["compile_step"]
+    if step != "on":
         print(
             "chattts-stream compile: nothing to compile: the step compiles under --profile realtime "
             "(the default) or --compile-step on (CHATTTS_COMPILE_STEP=on)"
