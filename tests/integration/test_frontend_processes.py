@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection
 
 from tests.integration.conftest import MakeApp
 from tests.integration.test_engine_process import children_of, gone
-from tests.serverproc import free_port, http_status, spawn_server, wait_ready
+from tests.serverproc import free_port, spawn_server, wait_ready
 from tests.wsclient import collect, open_client, recv_json, start, stream_payload
 
 TEXT = "Two front ends, one engine. Each stream is its own."
@@ -61,6 +61,14 @@ def _cmdline(pid: int) -> str:
 def holder(served: Served, ws: ClientConnection) -> int:
     """The child process holding the server's end of this client connection."""
     local_port = ws.local_address[1]
+    pid = holder_of(served, local_port)
+    if pid is None:
+        raise AssertionError(f"no front-end process holds the connection from port {local_port}")
+    return pid
+
+
+def holder_of(served: Served, local_port: int) -> int | None:
+    """The child that accepted the TCP connection from ``local_port`` (None: none has yet)."""
     for pid in served.front_ends():
         try:
             connections = psutil.Process(pid).net_connections(kind="tcp")
@@ -68,7 +76,41 @@ def holder(served: Served, ws: ClientConnection) -> int:
             continue
         if any(c.raddr and c.raddr.port == local_port and c.laddr.port == served.port for c in connections):
             return pid
-    raise AssertionError(f"no front-end process holds the connection from port {local_port}")
+    return None
+
+
+async def ready_status(served: Served, pid: int) -> int:
+    """``/ready``'s status on the child ``pid`` itself (not on whichever child the kernel picks).
+
+    A connection is opened until one lands on that child: the request's first line goes out, so
+    the child accepts it and waits for the headers; the kernel then says who holds it, and the
+    rest of the request is sent on the connection that child holds.
+    """
+    while True:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        try:
+            writer.write(b"GET /ready HTTP/1.1\r\n")
+            await writer.drain()
+            local_port = writer.get_extra_info("sockname")[1]
+            while (on := holder_of(served, local_port)) is None:  # accepted soon: polled, nothing to wait on
+                await asyncio.sleep(0.01)
+            if on == pid:
+                writer.write(b"Host: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                status_line = await reader.readline()
+                return int(status_line.split()[1])
+        finally:
+            writer.close()
+
+
+async def every_child_ready(served: Served) -> None:
+    """Until both children answer ``/ready`` 200 themselves (a child may listen before it is ready)."""
+    async with asyncio.timeout(DEADLINE_S):
+        while len(children := served.front_ends()) < 2:  # both started (each binds before it is ready)
+            await asyncio.sleep(0.05)
+        for pid in children:
+            while await ready_status(served, pid) != 200:
+                await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -84,9 +126,7 @@ async def serve(*flags: str) -> AsyncIterator[Served]:
     served = Served(proc, port)
     try:
         await wait_ready(port, proc)
-        async with asyncio.timeout(DEADLINE_S):  # both children listen (each binds before it is ready)
-            while len(served.front_ends()) < 2:
-                await asyncio.sleep(0.05)
+        await every_child_ready(served)
         yield served
     finally:
         every = children_of(proc.pid) if proc.returncode is None else set()
@@ -199,11 +239,18 @@ async def test_an_engine_process_that_dies_makes_the_children_not_ready_until_it
     served: Served,
 ) -> None:
     host = served.engine_host()
-    os.kill(host, signal.SIGKILL)
-    async with asyncio.timeout(DEADLINE_S):
-        while await asyncio.to_thread(http_status, served.port, "/ready") == 200:
-            await asyncio.sleep(0.02)
-    await wait_ready(served.port, served.proc)
+    # The supervisor is held stopped while the engine host dies, so that no new one starts
+    # until both children were seen not ready: nothing here races the restart.
+    served.proc.send_signal(signal.SIGSTOP)
+    try:
+        os.kill(host, signal.SIGKILL)
+        async with asyncio.timeout(DEADLINE_S):
+            for pid in served.front_ends():
+                while await ready_status(served, pid) == 200:  # until it has read the end of the socket
+                    await asyncio.sleep(0.02)
+    finally:
+        served.proc.send_signal(signal.SIGCONT)
+    await every_child_ready(served)  # each reconnects on its own: /ready on one says nothing of the other
     assert served.engine_host() != host
     ws, _ = await open_client(served.port)
     await start(ws, id="s", text="Back again.", seed=1)

@@ -16,8 +16,10 @@ With ``listen`` (the supervisor of ``--frontend-processes N``) the engine proces
 the front-end processes on that Unix socket path (``server.core.remote.hub``). With
 ``connect`` (one of those front-end processes, ``--engine-socket PATH``) the link starts no
 process: it connects to that path, and when the connection ends (the engine host died; the
-supervisor restarts it) it tells the client it is lost and connects again every
-:data:`RESTART_DELAY_S`.
+supervisor restarts it) it tells the client it is lost and tries to connect again every
+:data:`CONNECT_POLL_S`: a failed connect to a Unix socket costs microseconds, and every sibling
+front end polling that often is ready within a tenth of a second of the new engine host, so a
+client the kernel hands to a lagging sibling is not refused while the others serve.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ MAX_RESTART_DELAY_S = 10.0
 STOP_TIMEOUT_S = 30.0
 #: How long a front-end process waits for the engine host's socket at its start.
 CONNECT_TIMEOUT_S = 60.0
+#: How often a front-end process tries the engine host's socket while it is not there.
+CONNECT_POLL_S = 0.1
 
 
 def child_environment(**extra: str) -> dict[str, str]:
@@ -118,7 +122,7 @@ class ProcessLink:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 # The socket appears when the engine host has started: polled, nothing to wait on.
                 while not await self._connected_to(self._connect):  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(CONNECT_POLL_S)
             self._supervisor = asyncio.create_task(self._reconnecting(self._connect), name="engine-host")
             return
         await self._spawn()
@@ -146,7 +150,7 @@ class ProcessLink:
             assert self._lost is not None
             self._lost("the engine process ended; it is being restarted")
             while not self._asked_to_stop() and not await self._connected_to(path):  # noqa: ASYNC110
-                await asyncio.sleep(RESTART_DELAY_S)
+                await asyncio.sleep(CONNECT_POLL_S)
             if self._asked_to_stop():
                 return
 
