@@ -345,8 +345,10 @@ def sibling_urls(settings: Settings) -> tuple[str, frozenset[str]]:
         ports = [int(p) for p in settings.sibling_ports.split(",")]
     except ValueError:
         ports = []
-    if not ports or not all(0 < p < 65536 for p in ports):
-        raise StartupError(f"--sibling-ports {settings.sibling_ports!r}: expected PORT,PORT,...")
+    if len(ports) < 2 or not all(0 < p < 65536 for p in ports):
+        raise StartupError(
+            f"--sibling-ports {settings.sibling_ports!r}: expected PORT,PORT,... (its own first)"
+        )
     own, *others = (f"ws://127.0.0.1:{p}" for p in ports)
     return own, frozenset(others)
 

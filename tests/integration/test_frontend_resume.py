@@ -27,9 +27,10 @@ from websockets.exceptions import InvalidHandshake
 import chattts_stream_client as cs
 from tests.cluster import Cluster, Replica
 from tests.integration.test_cluster import FLAGS, Hook, cut_points, play, references
-from tests.integration.test_frontend_processes import DEADLINE_S, Served, _cmdline, holder, serve
+from tests.integration.test_engine_process import children_of
+from tests.integration.test_frontend_processes import DEADLINE_S, Served, _cmdline, finished, holder, serve
 from tests.resumer import Taken, open_ws, take, unbroken
-from tests.serverproc import http_status
+from tests.serverproc import free_port, http_status, spawn_server
 from tests.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.timeout(300)
@@ -207,3 +208,26 @@ async def test_sixty_streams_cut_one_to_three_times_on_two_children_equal_uncut_
     # About half the reconnects land on the other child: forwarded to the owner (which counts
     # the forwarded resume as local too).
     assert forwarded >= sum(resumed.values()) // 4 and local >= forwarded, (local, forwarded)
+
+
+async def test_the_key_the_supervisor_made_is_in_a_private_file_and_on_no_command_line() -> None:
+    async with host() as served:
+        words = _cmdline(min(served.front_ends())).split()
+        path = Path(words[words.index("--resume-secret-file") + 1])
+        modes = await asyncio.to_thread(lambda: (path.stat().st_mode, path.parent.stat().st_mode))
+        assert modes[0] & 0o777 == 0o600 and modes[1] & 0o777 == 0o700
+        key = await asyncio.to_thread(path.read_text)
+        processes = [served.proc.pid, *children_of(served.proc.pid)]
+        assert len(key) >= 16 and not any(key in _cmdline(pid) for pid in processes)
+
+
+async def test_advertise_url_with_several_front_end_processes_fails_the_start_with_one_line() -> None:
+    proc = await spawn_server(
+        *("--engine", "fake", "--port", str(free_port()), "--frontend-processes", "2"),
+        *("--resume-secret", "x" * 16, "--advertise-url", "ws://10.1.2.3:8080"),
+        env={**os.environ},
+        stderr=asyncio.subprocess.PIPE,
+    )
+    err = await finished(proc)
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "--advertise-url: not with --frontend-processes" in err
