@@ -136,6 +136,34 @@ async def test_the_owner_killed_with_sigkill_its_stream_is_regenerated_on_the_ot
     assert taken.frames == expected.frames and taken.payload == expected.payload
 
 
+async def test_a_child_started_again_in_the_killed_owners_slot_regenerates_its_stream_byte_equal() -> None:
+    # The slot keeps its loopback port (the supervisor holds it), so the new child takes the
+    # dead one's tokens as its own.
+    async with host(*NO_CACHE, "--fake-step-ms", "150") as served:
+        expected = await unbroken(served.port, START)
+        ws = await open_ws(served.port)
+        owner = holder(served, ws)
+        slot_port = children(served)[owner]
+        taken = Taken(START)
+        await ws.send(json.dumps({"type": "start", **START}))
+        assert await take(ws, taken, pause_after=5) == "paused"
+        os.kill(owner, signal.SIGKILL)
+        ws.transport.abort()
+        async with asyncio.timeout(DEADLINE_S):
+            while True:  # the new child in the slot, ready
+                new = [pid for pid, port in children(served).items() if port == slot_port and pid != owner]
+                if new and await _status(slot_port) == 200:
+                    break
+                await asyncio.sleep(0.05)
+        before = await asyncio.to_thread(resumes, slot_port, "regenerated")
+        elsewhere = await connection_on(served, new[0], taken.token)
+        await elsewhere.send(json.dumps(taken.resume()))
+        assert await take(elsewhere, taken) == "done"
+        await elsewhere.close()
+        assert await asyncio.to_thread(resumes, slot_port, "regenerated") == before + 1
+    assert taken.frames == expected.frames and taken.payload == expected.payload
+
+
 async def test_a_stream_of_a_draining_child_is_resumed_through_the_other_byte_equal() -> None:
     # Slow enough that the owner still generates the stream while it drains (30 s at most).
     async with host(*NO_CACHE, "--fake-step-ms", "400") as served:
