@@ -21,7 +21,10 @@ connections over them) and reach the engine through ``--engine-socket``. It:
     (``127.0.0.1:0``, ``SO_REUSEPORT``, held and never listening, like the public ports), so a
     child started again in the same slot has the same address: a resume of a stream of the
     dead child reaches its successor, which regenerates it; while no child listens there the
-    forward is refused at once and the child the resume landed on regenerates it;
+    forward is refused at once and the child the resume landed on regenerates it. A draining
+    child still serves the resumes forwarded to it (the peer proof) until its streams end.
+    Loopback TCP rather than a Unix socket: a token's owner is a ``ws://IP:PORT`` the forward
+    client dials as it is, with no second address form to sign, check and connect to;
   - a child forwards to exactly its siblings' loopback URLs besides ``--forward-allow``
     (:class:`~server.streams.routing.Router`), which still decides alone for other owners;
   - without ``--resume-secret(-file)`` the supervisor makes a random key at start and gives it
