@@ -13,7 +13,7 @@ import signal
 import socket
 from collections.abc import Callable
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection
 
 from server.audio import SUPPORTED_FORMATS, SUPPORTED_RATES
 from server.config import Settings
@@ -29,7 +29,7 @@ from server.frontends.http.api import HttpApi
 from server.frontends.ports import PortGuard, limits_problem, port_guards
 from server.frontends.websocket.connection import Connection
 from server.frontends.websocket.forward import is_forwarded
-from server.frontends.websocket.guarded import guarded_connections
+from server.frontends.websocket.listener import serve_websocket, sibling_socket
 from server.frontends.websocket.routes import STREAM_PATH, Probes, Routes
 from server.frontends.wyoming.server import WyomingServer, exposure_problem
 from server.metrics import Metrics
@@ -68,6 +68,7 @@ class App:
         self._info: ServerInfo | None = None
         self._sockets: list[socket.socket] = []
         self._server: Server | None = None
+        self._sibling_server: Server | None = None  # a front-end process's loopback port (forwards)
         self._warmup_task: asyncio.Task[None] | None = None
 
     def _engine_process(self, settings: Settings, factory: Callable[[], Engine] | None) -> ProcessLink | None:
@@ -97,13 +98,15 @@ class App:
            unauthenticated Wyoming port on a public interface while keys are set.
         2. Bind the WebSocket, HTTP and Wyoming ports, so that a busy port fails
            before minutes of model loading (nothing is accepted yet); read the resume
-           secret (``--resume-secret-file``), check ``--advertise-url`` and ``--forward-allow``.
+           secret (``--resume-secret-file``), check ``--advertise-url`` and ``--forward-allow``;
+           a front-end process of ``--frontend-processes N`` also binds its loopback port
+           (``--sibling-ports``), where its siblings forward the resumes of its streams.
         3. Load the engine on the inference thread; its warm-up follows there.
            With a resume secret, tokens are signed from now on (the engine's audio
            fingerprint goes into them).
         4. Read the voices made from recordings (``--voices-dir``) that this engine's weights made.
         5. Start the stream sweeper and the warm-up requests (``/ready`` waits for both).
-        6. Serve WebSocket, HTTP and Wyoming on the bound sockets.
+        6. Serve WebSocket (and the loopback port), HTTP and Wyoming on the bound sockets.
 
         Raises:
             StartupError: one line naming the cause and the flag.
@@ -126,6 +129,7 @@ class App:
             )
             self.websocket_guard = guards["WebSocket"]
             routing: RouterConfig | None = router_config(s, self.port)
+            sibling_sock = sibling_socket(routing, self._sockets)
             info = await self.engine_client.start()
             if routing is not None:
                 self.service.router = make_router(routing, s, info)
@@ -134,20 +138,12 @@ class App:
             self.metrics.engine.info({"name": info.name, **info.extra})
             self.service.start()
             self._warmup_task = asyncio.create_task(self._warm_up(), name="warm-up")
-            self._server = await serve(
-                self._handle,
-                sock=ws_sock,
-                process_request=Routes(self._probes()),
-                compression=None,  # audio does not compress; deflate only costs CPU
-                max_size=s.max_message_bytes,
-                max_queue=16,
-                ping_interval=20,
-                ping_timeout=20,
-                open_timeout=s.header_timeout_s,
-                close_timeout=s.close_timeout_s,
-                create_connection=guarded_connections(guards["WebSocket"]),
-                server_header=s.server_name,
-            )
+            routes = Routes(self._probes())
+            self._server = await serve_websocket(self._handle, ws_sock, routes, s, guards["WebSocket"])
+            if sibling_sock is not None:
+                self._sibling_server = await serve_websocket(
+                    self._handle, sibling_sock, routes, s, guards["WebSocket"]
+                )
             if http_sock is not None:
                 self.http = HttpApi(self.service, self._info, self._gate, s, self.metrics, guards["HTTP"])
                 await self.http.start(http_sock)
@@ -197,11 +193,12 @@ class App:
             sock.close()
 
     async def _stop_websockets(self) -> None:
-        if self._server is None:
-            return
-        self._server.close(close_connections=False)
+        servers = [server for server in (self._server, self._sibling_server) if server is not None]
+        for server in servers:
+            server.close(close_connections=False)
         await asyncio.gather(*(conn.close(1012, "server is restarting") for conn in list(self.connections)))
-        await self._server.wait_closed()
+        for server in servers:
+            await server.wait_closed()
 
     async def drain(self) -> None:
         """Graceful stop: refuse new streams, let running ones finish, close with 1012, stop.

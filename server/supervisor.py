@@ -11,8 +11,29 @@ connections over them) and reach the engine through ``--engine-socket``. It:
 - starts the engine process, waits for its engine to load, then starts the children;
 - stops everything with exit status 2 when a child's start fails (exit status 2: the flags
   fail every child the same way, e.g. an unreadable ``--api-keys-file``);
-- restarts a child that dies otherwise (its clients reconnect to the others meanwhile; a resume landing
-  on another child than its stream's fails cleanly with ``unknown_stream``);
+- restarts a child that dies otherwise (its clients reconnect to the others meanwhile);
+- lets a resume find its stream on any child, with the machinery that does it across replicas
+  (signed tokens, ``server.streams.routing``; the forward, ``server.frontends.websocket.forward``;
+  the regeneration, ``server.streams.failover``) rather than a second, host-local one:
+
+  - every child also listens on a loopback port of its own (``--sibling-ports``, its own first),
+    and its tokens name that port as their owner. The supervisor binds these ports once
+    (``127.0.0.1:0``, ``SO_REUSEPORT``, held and never listening, like the public ports), so a
+    child started again in the same slot has the same address: a resume of a stream of the
+    dead child reaches its successor, which regenerates it; while no child listens there the
+    forward is refused at once and the child the resume landed on regenerates it. A draining
+    child still serves the resumes forwarded to it (the peer proof) until its streams end.
+    Loopback TCP rather than a Unix socket: a token's owner is a ``ws://IP:PORT`` the forward
+    client dials as it is, with no second address form to sign, check and connect to;
+  - a child forwards to exactly its siblings' loopback URLs besides ``--forward-allow``
+    (:class:`~server.streams.routing.Router`), which still decides alone for other owners;
+  - without ``--resume-secret(-file)`` the supervisor makes a random key at start and gives it
+    to the children in a file of its private folder (mode 0600), never on a command line that
+    ``ps`` shows; with one, the children use the operator's;
+  - ``--advertise-url`` is refused: a token names a child's loopback port, which another host
+    cannot reach, and a resume forwarded from there to the public address would land on any
+    child and need a second hop (a forwarded resume is never forwarded again). Resume across
+    hosts needs one front-end process per replica for now;
 - lets the engine link restart a dead engine process: every child is not ready meanwhile;
 - gives each child ``PROMETHEUS_MULTIPROC_DIR`` so that ``/metrics`` on any of them is the
   merged view (``server.metrics``);
@@ -27,6 +48,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -59,6 +82,11 @@ class Supervisor:
     def __init__(self, settings: Settings, argv: list[str]) -> None:
         if settings.frontend_processes < 2:
             raise StartupError("--frontend-processes: the supervisor runs 2 or more")
+        if settings.advertise_url:
+            raise StartupError(
+                "--advertise-url: not with --frontend-processes 2 or more (a resume from another host "
+                "cannot reach one front-end process yet: run one front-end process per replica)"
+            )
         self.settings = settings
         self._argv = argv
         self._folder = Path(tempfile.mkdtemp(prefix="chattts-stream-"))
@@ -66,6 +94,8 @@ class Supervisor:
         self._metrics_dir = self._folder / "metrics"
         self._metrics_dir.mkdir()
         self._sockets: list[socket.socket] = []
+        self._sibling_ports: list[int] = []  # slot → its child's loopback port (resumes of its streams)
+        self._secret_flags: list[str] = []  # how the children get the resume key
         self._children: dict[int, asyncio.subprocess.Process] = {}  # slot → the child now in it
         self._stopping = False
         self._stop: asyncio.Event | None = None
@@ -85,6 +115,8 @@ class Supervisor:
         engine: EngineClient | None = None
         try:
             ports = self._bind_ports()
+            self._bind_sibling_ports()
+            self._share_secret()
             link = ProcessLink(
                 replace(s, engine_process=True),
                 text=text_side(s),
@@ -146,11 +178,28 @@ class Supervisor:
         wyoming = bind(max(0, s.wyoming_port), "--wyoming-port") if s.wyoming_port else 0
         return ws, http, wyoming
 
+    def _bind_sibling_ports(self) -> None:
+        """One loopback port per child slot, bound with ``SO_REUSEPORT`` and held (never listening)."""
+        for _ in range(self.settings.frontend_processes):
+            sock = bind_socket("127.0.0.1", 0, "--sibling-ports", self._sockets, reuse_port=True)
+            self._sibling_ports.append(sock.getsockname()[1])
+
+    def _share_secret(self) -> None:
+        """Without an operator's resume key, a random one in a 0600 file of the private folder."""
+        s = self.settings
+        if s.resume_secret or s.resume_secret_file:
+            return  # the children read the operator's flags
+        path = self._folder / "resume-secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as file:
+            file.write(secrets.token_urlsafe(32))
+        self._secret_flags = ["--resume-secret-file", str(path)]
+
     async def _keep(self, slot: int, ports: tuple[int, int, int]) -> int:
         """Run one child; start it again when it dies, until the drain; its last exit status."""
         backoff = Backoff()
         while True:
-            child = await self._spawn(ports)
+            child = await self._spawn(slot, ports)
             self._children[slot] = child
             began = time.monotonic()
             code = await child.wait()
@@ -171,12 +220,15 @@ class Supervisor:
     def _asked_to_stop(self) -> bool:
         return self._stopping
 
-    async def _spawn(self, ports: tuple[int, int, int]) -> asyncio.subprocess.Process:
+    async def _spawn(self, slot: int, ports: tuple[int, int, int]) -> asyncio.subprocess.Process:
         """A ``serve`` child with the same flags, on the resolved ports, through the engine's socket."""
         ws, http, wyoming = ports
         env = child_environment(**{MULTIPROC_VARIABLE: str(self._metrics_dir)})
         flags = ["--port", str(ws), "--http-port", str(http), "--wyoming-port", str(wyoming)]
         flags += ["--frontend-processes", "1", "--engine-socket", self._socket_path]
+        own = self._sibling_ports[slot]
+        siblings = [own, *(port for port in self._sibling_ports if port != own)]
+        flags += ["--sibling-ports", ",".join(map(str, siblings)), *self._secret_flags]
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server", *self._argv, *flags, env=env
         )

@@ -196,6 +196,11 @@ class Settings:
     engine_socket: str = _opt(
         "", "internal (set by --frontend-processes for its children): the engine process's Unix socket"
     )
+    sibling_ports: str = _opt(
+        "",
+        "internal (set by --frontend-processes for its children): the loopback ports of the front-end "
+        "processes, this one's first; its resume tokens name its own, a resume of a sibling's is forwarded",
+    )
     max_text_chars: int = _opt(2000, "longest text accepted in one start message")
     max_buffer_delay_ms: float = _opt(
         800.0, "incremental streams: speak a stalled clause after this long without text"

@@ -15,7 +15,9 @@ With a shared secret (``--resume-secret`` / ``--resume-secret-file``) a stream's
 
 :meth:`Router.verify` checks the MAC in constant time before it reads anything else, so a
 client cannot point a token at another address; :meth:`Router.forward_target` then admits only
-an owner whose address is an IP inside ``--forward-allow`` and is not this replica. Clients
+an owner whose address is an IP inside ``--forward-allow`` and is not this replica, or one of
+its sibling front-end processes on this host (``--frontend-processes N``: each child names its
+own loopback port, :func:`sibling_urls`). Clients
 treat tokens as opaque. Pure logic, no I/O (reading the key file happens in
 :func:`router_from_settings`).
 """
@@ -145,6 +147,8 @@ class Router:
         advertise_url: this replica's address for the others.
         allow: the networks an owner's address must lie in.
         fingerprint: :func:`audio_fingerprint` of this replica.
+        siblings: the loopback URLs of the other front-end processes of this host (exactly these
+            are admitted besides ``allow``; an operator's ``--forward-allow`` is not widened).
     """
 
     def __init__(
@@ -153,14 +157,17 @@ class Router:
         advertise_url: str,
         allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
         fingerprint: bytes = b"\x00" * _DIGEST_BYTES,
+        siblings: frozenset[str] = frozenset(),
     ) -> None:
         self._key = key
         self.advertise_url = advertise_url
         self._allow = allow
         self.fingerprint = fingerprint
+        self.siblings = siblings
         # Loopback is another replica only where this one is on loopback too (tests, one host);
-        # in a pod it would be the pod itself or a sidecar.
-        self._loopback_peers = _is_loopback(advertise_url)
+        # in a pod it would be the pod itself or a sidecar. A front-end process's own address
+        # is on loopback for its siblings only: other loopback addresses stay refused.
+        self._loopback_peers = _is_loopback(advertise_url) and not siblings
 
     def mint(self, request: SpeechRequest, route: str | None = None, owner: str | None = None) -> str:
         """A new token for a stream of ``request`` owned by this replica (and tenant ``owner``)."""
@@ -204,7 +211,11 @@ class Router:
 
     def forward_target(self, claims: Claims) -> str | None:
         """The owner's URL when a resume may be forwarded there, else None (never this replica)."""
-        if self.is_mine(claims) or (_is_loopback(claims.owner) and not self._loopback_peers):
+        if self.is_mine(claims):
+            return None
+        if claims.owner in self.siblings:
+            return claims.owner
+        if _is_loopback(claims.owner) and not self._loopback_peers:
             return None
         return claims.owner if allowed_address(claims.owner, self._allow) else None
 
@@ -324,6 +335,24 @@ def advertise_url(settings: Settings, port: int) -> str:
     return url.rstrip("/")
 
 
+def sibling_urls(settings: Settings) -> tuple[str, frozenset[str]]:
+    """A front-end process's own loopback URL and its siblings' (``--sibling-ports``, its own first).
+
+    Raises:
+        StartupError: not a comma-separated list of ports.
+    """
+    try:
+        ports = [int(p) for p in settings.sibling_ports.split(",")]
+    except ValueError:
+        ports = []
+    if len(ports) < 2 or not all(0 < p < 65536 for p in ports):
+        raise StartupError(
+            f"--sibling-ports {settings.sibling_ports!r}: expected PORT,PORT,... (its own first)"
+        )
+    own, *others = (f"ws://127.0.0.1:{p}" for p in ports)
+    return own, frozenset(others)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The checked flags of a router (before the engine is loaded)."""
@@ -331,6 +360,7 @@ class RouterConfig:
     key: bytes
     advertise_url: str
     allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    siblings: frozenset[str] = frozenset()
 
 
 def router_config(settings: Settings, port: int) -> RouterConfig | None:
@@ -346,9 +376,13 @@ def router_config(settings: Settings, port: int) -> RouterConfig | None:
         allow = parse_networks(settings.forward_allow)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    if settings.sibling_ports:  # a child of --frontend-processes N: its own port names its streams
+        own, siblings = sibling_urls(settings)
+        return RouterConfig(secret.encode("utf-8"), own, allow, siblings)
     return RouterConfig(secret.encode("utf-8"), advertise_url(settings, port), allow)
 
 
 def make_router(config: RouterConfig, settings: Settings, info: EngineInfo) -> Router:
     """The router of this replica, once its engine is known (its audio fingerprint)."""
-    return Router(config.key, config.advertise_url, config.allow, audio_fingerprint(settings, info))
+    fingerprint = audio_fingerprint(settings, info)
+    return Router(config.key, config.advertise_url, config.allow, fingerprint, config.siblings)

@@ -4,15 +4,14 @@ As a user runs it (``python -m server serve``): real sockets, real processes, th
 engine. Which child serves a connection is read from the kernel (the child holding the
 server's end of that TCP connection). Connections spread over both children and every
 stream is byte-equal to the one-process form's; ``/metrics`` on either counts both; a child
-killed with SIGKILL is started again and serves; a resume that lands on the other child
-fails cleanly with ``unknown_stream``; SIGTERM drains both, exits 0 and leaves no process.
+killed with SIGKILL is started again and serves; SIGTERM drains both, exits 0 and leaves no
+process. (A resume on the other child: test_frontend_resume.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import tempfile
@@ -191,27 +190,6 @@ async def test_a_killed_child_is_restarted_and_new_connections_succeed(served: S
             await ws.close()
             if on == restarted:
                 break
-
-
-async def test_a_resume_landing_on_the_other_child_fails_cleanly(served: Served) -> None:
-    ws, _ = await open_client(served.port)
-    owner = holder(served, ws)
-    await start(ws, id="s", text=TEXT, seed=2)
-    started = await recv_json(ws)
-    assert started["type"] == "started"
-    await ws.close()
-    async with asyncio.timeout(DEADLINE_S):
-        while True:  # a connection on the other child (each new one lands on either)
-            other, _ = await open_client(served.port)
-            if holder(served, other) != owner:
-                break
-            await other.close()
-    await other.send(json.dumps({"type": "resume", "stream": started["stream"], "after_seq": 0}))
-    error = await recv_json(other)
-    assert error["type"] == "error" and error["code"] == "unknown_stream"
-    await start(other, id="t", text="Still served.", seed=1)  # the connection stays usable
-    assert (await collect(other, {"t"}))["t"].done is not None
-    await other.close()
 
 
 async def test_sigterm_drains_both_children_exits_0_and_leaves_no_process() -> None:

@@ -212,3 +212,33 @@ def test_loopback_owners_only_for_a_replica_on_loopback() -> None:
     assert claims is not None and in_a_pod.forward_target(claims) is None  # its own pod, a sidecar
     on_one_host = Router(KEY, "ws://127.0.0.1:9090", everywhere)
     assert on_one_host.forward_target(claims) == "ws://127.0.0.1:8080"
+
+
+def test_a_front_end_process_forwards_to_exactly_its_siblings() -> None:
+    # --frontend-processes N: a child names its own loopback port; its siblings are admitted
+    # whatever --forward-allow says, and no other loopback address is, even where the
+    # networks hold 127.0.0.0/8 (the default): the operator's networks are not widened.
+    flags = ["--resume-secret", "x" * 16, "--sibling-ports", "4001,4002,4003"]
+    settings = load_settings(flags, env={})
+    config = routing.router_config(settings, 8080)
+    assert config is not None and config.advertise_url == "ws://127.0.0.1:4001"
+    assert config.siblings == {"ws://127.0.0.1:4002", "ws://127.0.0.1:4003"}
+    narrow = routing.router_config(load_settings([*flags, "--forward-allow", "10.0.0.0/8"], env={}), 8080)
+    assert narrow is not None
+
+    def target(config: routing.RouterConfig, owner: str) -> str | None:
+        child = Router(config.key, config.advertise_url, config.allow, siblings=config.siblings)
+        claims = child.verify(Router(config.key, owner, parse_networks("0.0.0.0/0")).mint(REQUEST))
+        assert claims is not None
+        return child.forward_target(claims)
+
+    for c in (config, narrow):
+        assert target(c, "ws://127.0.0.1:4002") == "ws://127.0.0.1:4002"
+        assert target(c, "ws://127.0.0.1:4001") is None  # its own: regenerated or held here
+        assert target(c, "ws://127.0.0.1:4004") is None  # loopback, but no sibling
+        assert target(c, HERE) == HERE  # a replica inside --forward-allow, as before
+    assert target(config, "ws://203.0.113.5:4002") is None  # outside --forward-allow, as before
+    assert target(narrow, "ws://192.168.1.2:4002") is None
+    for bad in ("4001", "4001,x", "0,4002", ""):
+        with pytest.raises(StartupError, match="--sibling-ports"):
+            routing.sibling_urls(dataclasses.replace(settings, sibling_ports=bad))
