@@ -77,7 +77,7 @@ class App:
         A front-end process of ``--frontend-processes N`` connects to the shared one instead.
 
         Raises:
-            StartupError: an engine the engine process cannot build (one given in code, ChatTTS).
+            StartupError: an engine given in code (the engine process builds its own from the flags).
         """
         if settings.engine_socket:
             return ProcessLink(

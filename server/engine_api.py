@@ -201,6 +201,22 @@ class EngineInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+class EngineText(Protocol):
+    """What the stream layer asks of the engine at once while it checks a request (any thread).
+
+    :class:`Engine` answers both; where the engine runs in another process, the front end holds
+    only an engine's text side that answers them (``server.core.factory.text_side``).
+    """
+
+    def validate_voice(self, voice: str) -> bool:
+        """Whether ``voice`` names a voice this engine can speak."""
+        ...
+
+    def text_tokens(self, text: str) -> int:
+        """Tokens ``text`` is for the model (:meth:`Engine.text_tokens`)."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A model that advances many sequences in token blocks.

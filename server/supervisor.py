@@ -63,7 +63,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from server.config import Settings
 from server.core.client import EngineClient
-from server.core.factory import build_engine_factory, policy_config, text_side
+from server.core.factory import build_engine_factory, policy_config
 from server.core.remote.link import Backoff, ProcessLink, child_environment
 from server.errors import StartupError
 from server.metrics import MULTIPROC_VARIABLE, Metrics
@@ -119,7 +119,7 @@ class Supervisor:
             self._share_secret()
             link = ProcessLink(
                 replace(s, engine_process=True),
-                text=text_side(s),
+                text=None,  # the children answer the stream layer: the supervisor holds no text side
                 metrics=Metrics(),
                 listen=self._socket_path,
             )

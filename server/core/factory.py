@@ -7,11 +7,11 @@ process (``server.core.remote.host`` builds it there), so both read the same fla
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from server.config import Settings
 from server.core.policy import PolicyConfig
-from server.engine_api import Engine
-from server.errors import StartupError
+from server.engine_api import Engine, EngineInfo, EngineText
 
 
 def build_engine_factory(settings: Settings) -> Callable[[], Engine]:
@@ -36,23 +36,37 @@ def fake_engine(settings: Settings) -> Engine:
     )
 
 
-def text_side(settings: Settings) -> Engine:
-    """What the front end asks of the engine's text pipeline when the engine runs in its own process.
+#: Builds the front end's text side once the engine process has said what it loaded.
+TextSideFactory = Callable[[EngineInfo], EngineText]
 
-    ``validate_voice`` and ``text_tokens`` are answered in the front end's process, at once
-    (the stream layer asks them synchronously while it checks a request). The fake engine's
-    answers are pure functions of the text, so an unstepped instance of it answers them.
 
-    Raises:
-        StartupError: the ChatTTS engine's text side (its tokenizer, normalizer and speaker
-            bank) is not separable from its model yet, so ``--engine-process`` needs ``--engine fake``.
+def text_side(settings: Settings) -> TextSideFactory:
+    """What answers ``validate_voice`` and ``text_tokens`` in a front end whose engine is in another process.
+
+    The stream layer asks both synchronously while it checks a request, so they are answered
+    in the front end's process, at once. The fake engine's answers are pure functions of the
+    text: an unstepped instance of it answers them. ChatTTS's need its tokenizer, its normalizer
+    and its speaker statistics: :func:`server.engine.chattts.textside.load_text_side` loads only
+    those (no GPT, DVAE, Decoder or Vocos weights) into the same
+    :class:`~server.engine.chattts.textside.TextSide` the engine answers with.
+
+    It is built from the engine's ``Loaded`` info (``ProcessLink`` calls the factory then, off
+    the event loop), not before: the model folder is the one the engine process resolved,
+    downloaded if it had to, and checked (its ``info.extra["model_dir"]``), so a front end never
+    downloads, never races the engine host's download, and never reads files that failed the
+    hash check. The flags' limits (``--segment-max-chars``, ``--refine-max-tokens``, the default
+    voice) are read as the engine reads them (:func:`server.engine.flags.engine_options`).
     """
-    if settings.engine != "fake":
-        raise StartupError(
-            "--engine-process runs only the fake engine for now: ChatTTS's tokenizer and normalizer "
-            "would be loaded in the front end as well (set --engine fake, or leave --engine-process off)"
-        )
-    return fake_engine(settings)
+    if settings.engine == "fake":
+        return lambda info: fake_engine(settings)
+
+    def chattts(info: EngineInfo) -> EngineText:
+        from server.engine.chattts.textside import load_text_side
+        from server.engine.flags import engine_options
+
+        return load_text_side(Path(info.extra["model_dir"]), engine_options(settings))
+
+    return chattts
 
 
 def policy_config(settings: Settings) -> PolicyConfig:

@@ -19,7 +19,7 @@ from server.core.engine_core import EngineCore
 from server.core.events import Command, CoreEvent
 from server.core.meters import CoreMetrics
 from server.core.policy import PolicyConfig
-from server.engine_api import Engine
+from server.engine_api import Engine, EngineText
 
 #: Called on the event loop with each event batch, in order.
 Deliver = Callable[[list[CoreEvent]], None]
@@ -51,7 +51,7 @@ class CoreLink(Protocol):
         """The core runs, or is being brought back (not stopped for good)."""
 
     @property
-    def text(self) -> Engine:
+    def text(self) -> EngineText:
         """What answers ``validate_voice`` and ``text_tokens`` in this process (any thread)."""
 
     @property
@@ -113,7 +113,7 @@ class ThreadLink:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def text(self) -> Engine:
+    def text(self) -> EngineText:
         """The engine itself (engines answer these from immutable data, on any thread)."""
         return self.engine
 

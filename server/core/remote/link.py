@@ -34,7 +34,8 @@ from pathlib import Path
 
 import server
 from server.config import Settings
-from server.core.events import Command, Loaded, Shutdown
+from server.core.events import Command, CoreEvent, Loaded, LoadFailed, Shutdown
+from server.core.factory import TextSideFactory
 from server.core.link import Deliver, Lost
 from server.core.remote.recorder import replay
 from server.core.remote.wire import (
@@ -44,7 +45,7 @@ from server.core.remote.wire import (
     encode_settings,
     read_frame,
 )
-from server.engine_api import Engine
+from server.engine_api import Engine, EngineText
 from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -92,14 +93,15 @@ class ProcessLink:
         self,
         settings: Settings,
         *,
-        text: Engine,
+        text: TextSideFactory | None,
         metrics: Metrics,
         listen: str | None = None,
         connect: str | None = None,
     ) -> None:
         self._settings = settings
         self._listen, self._connect = listen, connect
-        self._text = text
+        self._text_factory = text
+        self._text: EngineText | None = None
         self._metrics = metrics
         self._process: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -226,9 +228,30 @@ class ProcessLink:
                 break
             replay(ops, self._metrics)
             if any(isinstance(event, Loaded) for event in events):
-                loaded = self._ever_loaded = True
+                events = await self._with_text_side(events)
+                loaded = self._ever_loaded = any(isinstance(event, Loaded) for event in events)
             deliver(events)
         return loaded
+
+    async def _with_text_side(self, events: list[CoreEvent]) -> list[CoreEvent]:
+        """``events`` once the text side is built from their ``Loaded`` (the first time only).
+
+        Built on a thread (ChatTTS's takes seconds: imports, a tokenizer, numba's compile), while
+        nothing is served yet: the client's start waits for this very ``Loaded``. One that
+        cannot be built fails the start like an engine that cannot load (``LoadFailed``), and the
+        engine process is stopped.
+        """
+        if self._text is not None or self._text_factory is None:
+            return events
+        info = next(event.info for event in events if isinstance(event, Loaded))
+        try:
+            self._text = await asyncio.to_thread(self._text_factory, info)
+        except Exception as exc:  # a missing or unreadable file: one line, as a failed load says it
+            log.exception("the engine's text side cannot be built in this process")
+            message = f"the engine's text side cannot be loaded in the front end: {type(exc).__name__}: {exc}"
+            self.shutdown()
+            return [LoadFailed(" ".join(message.split())) if isinstance(e, Loaded) else e for e in events]
+        return events
 
     def _kill(self) -> None:
         if self._process is not None and self._process.returncode is None:
@@ -277,8 +300,14 @@ class ProcessLink:
         return self._supervisor is not None and not self._supervisor.done() and not self._stopping
 
     @property
-    def text(self) -> Engine:
-        """The engine's text side, built in this process (``server.core.factory.text_side``)."""
+    def text(self) -> EngineText:
+        """The engine's text side, built here once the engine has loaded (``server.core.factory.text_side``).
+
+        Raises:
+            RuntimeError: before the engine's ``Loaded`` (or in the supervisor, which has none).
+        """
+        if self._text is None:
+            raise RuntimeError("the engine's text side is built when the engine process has loaded")
         return self._text
 
     @property

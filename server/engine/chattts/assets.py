@@ -163,6 +163,24 @@ def fetch_official(*, cache_dir: Path | None = None, timeout_s: float = 5.0) -> 
             os.environ["HF_HUB_ETAG_TIMEOUT"] = previous
 
 
+def new_chat(manifest: dict[str, Any] | None) -> Any:
+    """A ``ChatTTS.Chat`` with no module loaded yet: its config, hash map and normalizer.
+
+    The official config and hash map, or (``manifest``: a dev model's ``DEV_MODEL.json``) the dev
+    model's: its sizes and speaker statistics, and its files' hashes. The normalizer is built
+    here (``Chat.__init__``), from the ``homophones_map.json`` inside the ChatTTS package.
+    """
+    import ChatTTS
+
+    chat = ChatTTS.Chat(logging.getLogger("ChatTTS"))
+    if manifest is not None:
+        chat.config = build_config(manifest.get("config") or None)
+        # Random files fail ChatTTS's official hash map by design; check them against the manifest.
+        chat.sha256_map = dict(manifest["sha256"])
+    # else: keep ChatTTS's own official sha256_map: real weights are hash-checked unless told not to.
+    return chat
+
+
 def load_chat(
     *,
     model_dir: Path | str | None,
@@ -202,15 +220,8 @@ def load_chat(
             f"(`chattts-stream weights download --dir {folder}` fetches them)"
         )
     manifest = read_dev_manifest(folder)
-    import ChatTTS
-
     started = time.perf_counter()
-    chat = ChatTTS.Chat(logging.getLogger("ChatTTS"))
-    if manifest is not None:
-        chat.config = build_config(manifest.get("config") or None)
-        # Random files fail ChatTTS's official hash map by design; check them against the manifest.
-        chat.sha256_map = dict(manifest["sha256"])
-    # else: keep ChatTTS's own official sha256_map: real weights are hash-checked unless told not to.
+    chat = new_chat(manifest)
     unverified = manifest is None and verify == "none"
     if unverified:
         log.warning(

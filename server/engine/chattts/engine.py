@@ -29,7 +29,7 @@ import torch
 from server.engine.chattts.assets import LoadedChat, ModelUnavailableError, Verify, load_chat
 from server.engine.chattts.decode import StreamDecoder, make_decode_fn
 from server.engine.chattts.options import EngineOptions
-from server.engine.chattts.prompt import PromptBuilder, PromptLimits
+from server.engine.chattts.prompt import PromptBuilder
 from server.engine.chattts.refine import RefineParams, Refiner, RefineRow, TextRefiner
 from server.engine.chattts.refine_queue import RefineQueue
 from server.engine.chattts.setup import engine_info, kv_shape, log_engine_info, resolve_device, resolve_dtype
@@ -37,8 +37,7 @@ from server.engine.chattts.step.compiled import use_compile_cache
 from server.engine.chattts.step.linear import prepare_projections
 from server.engine.chattts.step.runner import Interrupt, Row, RunnerFactory, SlotBatch, TokenTap
 from server.engine.chattts.step.sampling import seed_of, stream_key
-from server.engine.chattts.text import ChatTTSText
-from server.engine.chattts.voice import VoiceBank
+from server.engine.chattts.textside import TextSide
 from server.engine_api import (
     AudioArray,
     Codes,
@@ -89,17 +88,11 @@ class ChatTTSEngine:
         cfg = self._llama.config
         self.hidden_size = int(cfg.hidden_size)
         self._decode_fn = make_decode_fn(chat.decoder, chat.vocos)
-        self.voices = VoiceBank(chat.speaker, self.hidden_size, default_voice=options.default_voice)
-        self.text = ChatTTSText(chat.normalizer)
-        voice_seconds = float(options.voice_max_seconds)
-        limits = PromptLimits(
-            segment_chars=self.warmup_prompt_chars,
-            refine_tokens=max(0, options.refine_max_tokens),
-            voice_seconds=voice_seconds,
-            transcript_tokens=options.transcript_tokens,
-        )
+        # What a front end with the engine in another process loads on its own (load_text_side).
+        self.text_side = TextSide(chat, dim=self.hidden_size, options=options)
+        self.voices, self.text = self.text_side.voices, self.text_side.text
         # Prompt ids stay on the host: the prefill stages a step's newcomers there and uploads them once.
-        self.prompts = PromptBuilder(chat, self.text, self.voices, limits, torch.device("cpu"))
+        self.prompts = PromptBuilder(chat, self.text, self.voices, self.text_side.limits, torch.device("cpu"))
         #: The refinement pass (``refine: true``); tests put a fixed stand-in here.
         self.refiner: Refiner = TextRefiner(chat, device=device)
         #: Its sampling (ChatTTS's ``RefineTextParams`` defaults) and token cap.
@@ -219,19 +212,20 @@ class ChatTTSEngine:
 
     def validate_voice(self, voice: str) -> bool:
         """``default``, ``seed:<int>`` and valid ChatTTS speaker strings are voices (any thread)."""
-        return self.voices.is_voice(voice)
+        return self.text_side.validate_voice(voice)
 
     def prompt_text(self, text: str, params: SynthesisParams) -> str:
         """The text the GPT sees: ``[Stts][spk_emb][speed_k]text[Ptts]`` (ChatTTS's code prompt).
 
-        ``text`` is the user's segment, put through :class:`ChatTTSText` (our number speller, then
-        ChatTTS's normalizer). A recording's voice: ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]``.
+        ``text`` is the user's segment, put through :class:`~server.engine.chattts.text.ChatTTSText`
+        (our number speller, then ChatTTS's normalizer). A recording's voice:
+        ``[Stts][empty_spk]{transcript}[speed_k]text[Ptts]``.
         """
         return self.prompts.code_prompt(self.text.model_text(text), params).text
 
     def text_tokens(self, text: str) -> int:
         """Tokens of ``text`` for the model, numbers spelled out (any thread: a tokenizer of its own)."""
-        return self.prompts.segment_tokens(text)
+        return self.text_side.text_tokens(text)
 
     def encode_voice(self, audio: AudioArray, transcript: str) -> Codes:
         """DVAE codes of a 24 kHz recording (``Chat.sample_audio_speaker``), checked against the limits."""

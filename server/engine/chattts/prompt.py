@@ -15,7 +15,6 @@ Only ``server/engine/chattts*.py`` import torch; this is one of them.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 from collections import OrderedDict
@@ -36,7 +35,6 @@ from server.engine.chattts.reference import (
 from server.engine.chattts.text import ChatTTSText
 from server.engine.chattts.voice import VoiceBank, speed_token
 from server.engine_api import AudioArray, Codes, EngineError, SynthesisParams, VoiceSample
-from server.text.normalize import speakable
 
 #: ChatTTS's DVAE encodes 24 kHz audio.
 _RATE = 24_000
@@ -48,7 +46,8 @@ class PromptLimits:
 
     Attributes:
         segment_chars: the longest segment (``--segment-max-chars``), as that many tokens: the stream
-            layer holds every segment to it (or ``refine_tokens``) by :meth:`PromptBuilder.segment_tokens`.
+            layer holds every segment to it (or ``refine_tokens``) by
+            :meth:`~server.engine.chattts.textside.TextSide.text_tokens`.
         refine_tokens: the longest refinement (``--refine-max-tokens``; 0: refinement off).
         voice_seconds: the longest recording of a voice (``--voice-max-seconds``; 0: off).
         transcript_tokens: the longest transcript of a recording, in model tokens.
@@ -81,9 +80,6 @@ class PromptBuilder:
     ) -> None:
         self._chat, self.text, self.voices, self.limits, self.device = chat, text, voices, limits, device
         self._transcripts: OrderedDict[str, str] = OrderedDict()
-        # The event loop counts segments' tokens while the inference thread encodes prompts, and
-        # ChatTTS's encode sets padding on its Rust tokenizer each call: the counter is a copy.
-        self._counter = copy.deepcopy(chat.tokenizer._tokenizer)
 
     def code_prompt(self, model_text: str, params: SynthesisParams) -> CodePrompt:
         """The prompt for ``model_text`` (already through the pipeline, or refined) in ``params``' voice.
@@ -113,21 +109,6 @@ class PromptBuilder:
     def tokens(self, model_text: str) -> int:
         """Tokens of ``model_text`` alone (no prompt around it)."""
         ids = self._chat.tokenizer._tokenizer(model_text, add_special_tokens=False)["input_ids"]
-        return len(ids)
-
-    def segment_tokens(self, segment: str) -> int:
-        """Tokens of ``segment`` after the text pipeline, or a bound above them within the budget.
-
-        Any thread: a tokenizer of its own and a pure pipeline. The exact count costs 1-5 ms of
-        CPU (ChatTTS's normalizer); the number speller's output costs 0.1 ms and bounds it, as
-        ChatTTS's normalizer only maps or deletes characters and a token covers at least one.
-        So a text whose spelled-out length fits the budget (:meth:`longest`'s text part) answers
-        that length, and only a longer one is counted exactly.
-        """
-        spoken = speakable(segment)
-        if len(spoken) <= max(self.limits.segment_chars, self.limits.refine_tokens):
-            return len(spoken)
-        ids = self._counter(self.text.model_text(segment), add_special_tokens=False)["input_ids"]
         return len(ids)
 
     def prompt_tokens(self, model_text: str) -> int:
