@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 from server.app import App
+from server.core.client import EngineClient
+from server.core.factory import build_engine_factory, policy_config
 from server.core.remote.link import ProcessLink
+from server.engine_api import EngineInfo, EngineText
 from server.errors import StartupError
+from server.metrics import Metrics
 from tests.integration.conftest import MakeApp, fake_settings, wait_until
 from tests.integration.test_voices import encoded, expected_pcm, form, recording, upload, ws_stream
 from tests.serverproc import free_port, http_status, spawn_server, wait_ready
@@ -94,9 +98,35 @@ async def test_killing_the_engine_process_fails_its_streams_and_readiness_comes_
         await ws.close()
 
 
-async def test_an_engine_the_engine_process_cannot_build_is_refused_at_start() -> None:
+async def test_an_engine_given_in_code_is_refused_with_the_engine_process() -> None:
+    # The engine process builds its engine from the flags (ChatTTS too): no engine object crosses.
+    settings = fake_settings("--engine-process")
     with pytest.raises(StartupError, match="--engine-process"):
-        App(fake_settings("--engine-process", "--engine", "chattts"))
+        App(settings, engine_factory=build_engine_factory(settings))
+
+
+async def test_a_text_side_that_cannot_be_built_fails_the_start_and_stops_the_engine_process() -> None:
+    # The front end builds its text side from the engine's Loaded; one that fails is a failed load.
+    def broken(info: EngineInfo) -> EngineText:
+        raise OSError(f"no tokenizer for {info.name}")
+
+    settings = fake_settings("--engine-process")
+    link = ProcessLink(settings, text=broken, metrics=Metrics())
+    client = EngineClient(config=policy_config(settings), metrics=Metrics(), link=link)
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            with pytest.raises(
+                StartupError, match=r"text side cannot be loaded.*OSError: no tokenizer for fake"
+            ):
+                await client.start()
+    finally:
+        process = link._process
+        if process is not None and process.returncode is None:  # left running: the bug this catches
+            process.kill()
+            await process.wait()
+    assert process is not None and process.returncode == 0  # stopped in order, and waited for
+    with pytest.raises(RuntimeError, match="text side"):
+        link.text.validate_voice("default")
 
 
 async def test_the_engine_process_ends_with_the_server(make_app: MakeApp) -> None:

@@ -270,7 +270,6 @@ def _value(text: str, name: str) -> float:
     ("flags", "message"),
     [
         (("--frontend-processes", "0"), "--frontend-processes must be 1 or more"),
-        (("--frontend-processes", "2", "--engine", "chattts"), "--engine-process runs only the fake engine"),
     ],
 )
 async def test_a_form_that_cannot_run_fails_the_start_with_one_line(
