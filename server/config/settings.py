@@ -185,12 +185,13 @@ class Settings:
     engine_process: bool = _opt(
         False,
         "run the engine core and the model in a process of their own, behind a local socket, so the "
-        "front ends' Python never holds the engine's GIL (fake engine only for now)",
+        "front ends' Python never holds the engine's GIL; the front end keeps only the engine's text side "
+        "(ChatTTS: its tokenizer, normalizer and speaker statistics)",
     )
     frontend_processes: int = _opt(
         1,
         "front-end processes sharing the ports (SO_REUSEPORT) over one engine process, so the front "
-        "ends use N cores; 1: one process; 2+: implies --engine-process (fake engine only for now); "
+        "ends use N cores; 1: one process; 2+: implies --engine-process; "
         "per-client limits then hold per process",
     )
     engine_socket: str = _opt(
