@@ -4,7 +4,8 @@
 normalizer, speaker statistics), loaded from the folder the engine process reported in its
 ``Loaded``; streams are byte-equal to the one-process form's, and the text side answers as the
 engine does. ``--engine chattts --frontend-processes 2`` (as a user runs it): a stream on each
-child completes, byte-equal to the one-process form's.
+child completes, byte-equal to the one-process form's. A voice made from a recording in the
+engine process has the one-process form's codes and speaks the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import signal
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from server.core.remote.link import ProcessLink
 from server.engine.chattts.textside import TextSide
 from tests.integration.test_engine_process import children_of
 from tests.integration.test_frontend_processes import Served, holder, ready_status
+from tests.integration.test_voices import encoded, form, recording, upload
 from tests.model.helpers import TEST_DEVICE
 from tests.serverproc import free_port, spawn_server, wait_ready
 from tests.wsclient import collect, open_client, start, stream_payload
@@ -63,16 +65,27 @@ async def one_process(make_model_app: Any) -> App:
 
 
 @pytest.fixture
-async def engine_process(tiny_model_dir: Path) -> AsyncIterator[App]:
-    base = [*model_flags(tiny_model_dir), "--host", "127.0.0.1", "--port", "0", "--engine-process"]
-    app = App(load_settings(base, env={}))
-    try:
+async def make_engine_process(tiny_model_dir: Path) -> AsyncIterator[Callable[..., Awaitable[App]]]:
+    """Start ``--engine chattts --engine-process`` servers in this process, warmed up; stopped after."""
+    apps: list[App] = []
+
+    async def make(*flags: str) -> App:
+        base = [*model_flags(tiny_model_dir), "--host", "127.0.0.1", "--port", "0", "--engine-process"]
+        app = App(load_settings([*base, *flags], env={}))
+        apps.append(app)
         async with asyncio.timeout(DEADLINE_S):
             await app.start()
             await app.warmed_up.wait()
-        yield app
-    finally:
+        return app
+
+    yield make
+    for app in apps:
         await app.stop()
+
+
+@pytest.fixture
+async def engine_process(make_engine_process: Callable[..., Awaitable[App]]) -> App:
+    return await make_engine_process()
 
 
 async def test_a_stream_through_the_engine_process_is_byte_equal_and_the_text_side_answers_alike(
@@ -95,6 +108,27 @@ async def test_a_stream_through_the_engine_process_is_byte_equal_and_the_text_si
     assert [text.text_tokens(t) for t in TEXT_CHECKS] == [engine.text_tokens(t) for t in TEXT_CHECKS]
     with pytest.raises(RuntimeError, match="own process"):
         _ = engine_process.engine_client.engine  # no engine object in the front end
+
+
+async def test_a_voice_from_a_recording_is_made_in_the_engine_process_and_spoken_byte_equal(
+    make_model_app: Any, make_engine_process: Callable[..., Awaitable[App]], tmp_path: Path
+) -> None:
+    # The recording crosses as float32 (EncodeVoice), the DVAE's codes come back (VoiceEncoded),
+    # and a stream in that voice carries them back inside its parameters.
+    flags = ("--voice-max-seconds", "4", *DETERMINISTIC_SCHEDULE)
+    one = await make_model_app("--voices-dir", str(tmp_path / "one"), *flags)
+    two = await make_engine_process("--voices-dir", str(tmp_path / "two"), *flags)
+    made = {}
+    for app in (one, two):
+        status, voice = await upload(app, form(encoded(recording(2.0)), transcript="这是一段参考录音。"))
+        assert status == 200, voice
+        stored = app.service.voices.get(voice["id"])
+        assert stored is not None
+        made[app] = (voice["id"], stored.sample.codes)
+    codes_one, codes_two = made[one][1], made[two][1]
+    assert codes_two.shape[0] == 4 and (codes_two == codes_one).all()
+    spoken = [await stream_payload(app.port, text=TEXT, seed=3, voice=made[app][0]) for app in (one, two)]
+    assert len(spoken[0]) > 1000 and spoken[1] == spoken[0]
 
 
 @contextlib.asynccontextmanager
