@@ -4,7 +4,9 @@
 ``python -m server.core.remote.host`` with one end of a Unix socket pair (nothing on disk, no
 port), sends the settings, then each command as a frame; a reader task decodes the event
 batches, replays the metrics recorded with them on this process's collectors and delivers the
-events to the client, on the event loop.
+events to the client, on the event loop. The first ``Loaded`` also builds, off the event loop,
+the engine's text side this process answers ``validate_voice`` and ``text_tokens`` with
+(``server.core.factory.text_side``: from the model folder that ``Loaded`` names).
 
 When the engine process dies (a crash, the kernel's OOM killer, a ``kill -9``), ``lost`` tells
 the client at once (its streams end with an engine error and it is not ready), and the process
