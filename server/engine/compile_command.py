@@ -2,7 +2,7 @@
 
 ``serve`` with ``--compile-step on`` compiles the token step at warm-up and keeps what inductor
 built in ``<cache dir>/compiled`` (:mod:`server.engine.chattts.step.compile_cache`), keyed by
-torch, the CPU, the model and the step's form. This command loads the engine with the same flags
+torch, the CPU, the model, the step's form and its code. This command loads the engine with the same flags
 (every ``serve`` flag and ``CHATTTS_*`` variable applies) and compiles, so that a server
 started afterwards, in an image built with it or after an init container ran it, finds its
 folder warm. Run it on the machine (or the same kind of CPU) that serves: another CPU is

@@ -1,7 +1,8 @@
 """The compiled CPU step's artifacts in the cache dir: keyed, sealed, refused when stale or foreign.
 
 * the key changes with every fact the generated code depends on (torch, CPU flags, the GPT's
-  weights, the step's form), so another machine, torch or model looks in another folder;
+  weights, the step's form, transformers and the step package's own code), so another machine,
+  torch, model or an edited step looks in another folder;
 * a folder that is not sealed, sealed for other facts (copied from elsewhere) or whose files
   changed is emptied with one log line and compiled afresh, never used;
 * ``chattts-stream compile`` builds the folder a later engine with the same flags loads from
@@ -29,6 +30,7 @@ from server.engine.chattts.step.compile_cache import (
     cpu_flags,
     machine_facts,
     model_digest,
+    step_code_digest,
     step_facts,
 )
 from server.engine.chattts.step.w8a8 import quantized_engine_available
@@ -44,6 +46,8 @@ FACTS = {
     "dtype": "bfloat16",
     "quantize": "w8a8",
     "shapes": "1x256 1x3120",
+    "transformers": "4.57.1",
+    "step_code": "sha256:00",
 }
 
 
@@ -57,6 +61,8 @@ FACTS = {
         ("dtype", "float32"),
         ("quantize", "none"),
         ("shapes", "1x256 1x2048"),
+        ("transformers", "4.58.0"),
+        ("step_code", "sha256:01"),
     ],
 )
 def test_every_fact_is_part_of_the_key(tmp_path: Path, fact: str, other: str) -> None:
@@ -88,6 +94,36 @@ def test_the_model_digest_follows_the_gpt_weights(tiny_model_dir: Path, tmp_path
     assert (
         facts["model"] == model_digest(copy) and facts["dtype"] == "bfloat16" and facts["quantize"] == "w8a8"
     )
+
+
+@pytest.mark.parametrize("edit", ["changed", "added", "removed", "csrc"])
+def test_the_step_code_digest_follows_every_source_of_the_step(tmp_path: Path, edit: str) -> None:
+    """An edited step is another key: the engine's facts carry the digest, which any edit changes."""
+    package = Path(step_facts.__code__.co_filename).parent
+    copy = tmp_path / "step"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert step_code_digest(copy) == step_code_digest(package)
+    if edit == "changed":
+        source = copy / "token_step.py"
+        source.write_text(source.read_text().replace("accept = stepping &", "accept = stepping  &"))
+    elif edit == "added":
+        (copy / "newstep.py").write_text("X = 1\n")
+    elif edit == "removed":
+        (copy / "sampling.py").unlink()
+    else:
+        (copy / "csrc" / "decode_attention.cpp").write_text("// another attention\n")
+    edited = step_code_digest(copy)
+    assert edited != step_code_digest(package)
+    (copy / "notes.txt").write_text("not code")  # neither a module nor the C++ source: no new key
+    assert step_code_digest(copy) == edited
+
+
+def test_the_engine_facts_name_the_step_code_and_transformers(tiny_model_dir: Path) -> None:
+    import transformers
+
+    facts = step_facts(model_dir=tiny_model_dir, dtype=torch.bfloat16, quantize="w8a8")
+    assert facts["step_code"] == step_code_digest() and facts["step_code"].startswith("sha256:")
+    assert facts["transformers"] == transformers.__version__
 
 
 def _sealed(cache: CompileCache, facts: dict[str, str], *, at: Path | None = None) -> Path:

@@ -6,9 +6,11 @@ every restart. :class:`CompileCache` puts it in the server's cache dir (``--cach
 ``CHATTTS_CACHE_DIR``; ``/models`` in the images, a volume), in one folder per **key**: a hash of
 everything the generated code depends on (:func:`step_facts`): torch's and Python's versions,
 the CPU's instruction sets (inductor writes AVX-512 or AVX2 code for the CPU it runs on), the
-GPT's weights file, and the step's form (dtype, quantization, its bucket shapes). Another torch,
-another CPU or another model therefore looks in another folder: a stale or foreign artifact is
-rebuilt, never loaded.
+GPT's weights file, the step's form (dtype, quantization, its bucket shapes), and the code the
+graph is traced from: transformers' version (its Llama layers) and a digest of this package's
+own sources (:func:`step_code_digest`), so that an edited step, or a deploy of a new commit,
+never meets the artifact of the old one. Another torch, another CPU, another model or another
+step therefore looks in another folder: a stale or foreign artifact is rebuilt, never loaded.
 
 A folder is **sealed** after a compile succeeded: ``manifest.json`` holds the facts and the
 SHA-256 of every file. Opening a folder checks both; a folder that is not sealed (a compile was
@@ -40,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import transformers
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ MANIFEST = "manifest.json"
 GPT_FILES = ("config.json", "model.safetensors")
 #: /proc/cpuinfo flags whose presence changes the code inductor or FBGEMM generate.
 CPU_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "bmi", "vnni")
+#: The step package: the code dynamo traces the compiled graph from (and the C++ attention's source).
+STEP_PACKAGE = Path(__file__).resolve().parent
 #: Inductor's lock files (``locks/*.lock``, written as it runs) and the manifest: not artifacts.
 _NOT_ARTIFACTS = {"locks", MANIFEST, f"{MANIFEST}.tmp"}
 
@@ -86,8 +91,21 @@ def model_digest(model_dir: Path) -> str:
     return "sha256:" + hashlib.sha256(" ".join(parts).encode()).hexdigest()
 
 
+def step_code_digest(package: Path = STEP_PACKAGE) -> str:
+    """One digest of the step package's sources (``*.py`` and ``csrc/``), names and bytes.
+
+    The whole package rather than the modules a graph happens to trace today: a file left out
+    would be the one whose edit loads an old graph. Editing a docstring here costs one compile.
+    """
+    digest = hashlib.sha256()
+    sources = sorted([*package.glob("*.py"), *(p for p in package.glob("csrc/*") if p.is_file())])
+    for path in sources:
+        digest.update(f"{path.relative_to(package)}\0{file_digest(path)}\0".encode())
+    return "sha256:" + digest.hexdigest()
+
+
 def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[str, str]:
-    """The key's facts for one engine: the machine's, the GPT's weights and the step's form.
+    """The key's facts for one engine: the machine's, the GPT's weights, the step's form and code.
 
     The bucket shapes are added by the runner, which knows them (:meth:`CompiledRunner.prepare`).
     """
@@ -96,6 +114,8 @@ def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[st
         "model": model_digest(model_dir),
         "dtype": str(dtype).removeprefix("torch."),
         "quantize": quantize,
+        "transformers": transformers.__version__,
+        "step_code": step_code_digest(),
     }
 
 

@@ -26,7 +26,7 @@ against about 46; end to end 1.13x the audio per second at one stream and 1.06x 
 ``bench/results/cpu/``). Compiling
 takes 4 to 7 minutes at warm-up on those two cores. With a :class:`~.compile_cache.CompileCache`
 (the engine gives one: the server's cache dir) inductor keeps what it compiled there, in a folder
-keyed by torch, the CPU, the model and the step's form, so a restart skips inductor's C++ compile
+keyed by torch, the CPU, the model, the step's form and its code, so a restart skips inductor's C++ compile
 (:mod:`server.engine.chattts.step.compile_cache` says what a restart still repeats).
 
 After warm-up the runner refuses to recompile (``fail_on_recompile``): a shape or guard
