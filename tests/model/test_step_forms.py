@@ -341,12 +341,13 @@ def _layer(width: int) -> torch.nn.Module:
 
 
 def _failing_compiler(fn: Any, **options: Any) -> Any:
-    """``torch.compile`` on a machine without a C++ compiler: it fails at the first call."""
+    """``torch.compile`` on a machine without a C++ compiler: compiling ahead of time fails."""
 
-    def compiled(*args: Any) -> None:
-        raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
+    class Compiled:
+        def aot_compile(self, example: Any) -> Any:
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
 
-    return compiled
+    return Compiled()
 
 
 def test_a_failed_compile_falls_back_to_the_eager_step(
