@@ -341,17 +341,27 @@ def _layer(width: int) -> torch.nn.Module:
 
 
 def _failing_compiler(fn: Any, **options: Any) -> Any:
-    """``torch.compile`` on a machine without a C++ compiler: compiling ahead of time fails."""
+    """``torch.compile`` on a machine without a C++ compiler: compiling fails, ahead of time or lazily."""
 
     class Compiled:
         def aot_compile(self, example: Any) -> Any:
             raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
 
+        def __call__(self, *args: Any) -> None:
+            self.aot_compile(args)
+
     return Compiled()
 
 
+@pytest.mark.parametrize(
+    "quantize",
+    [
+        "none",  # compiled lazily, frozen
+        pytest.param("w8a8", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU")),
+    ],
+)
 def test_a_failed_compile_falls_back_to_the_eager_step(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, quantize: str
 ) -> None:
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.step.compiled import CompiledRunner
@@ -359,9 +369,14 @@ def test_a_failed_compile_falls_back_to_the_eager_step(
     def factory(step: Any) -> Any:
         return CompiledRunner(step, compiler=_failing_compiler)
 
+    options = EngineOptions(quantize=quantize)
     with caplog.at_level(logging.ERROR, logger="server.engine.chattts.step.runner"):
         engine = ChatTTSEngine.load(
-            model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", step_runner=factory
+            model_dir=tiny_model_dir,
+            device=TEST_DEVICE,
+            dtype="float32",
+            step_runner=factory,
+            options=options,
         )
     try:
         loud = [r for r in caplog.records if "TOKEN STEP FALLBACK" in r.getMessage()]

@@ -7,15 +7,16 @@ of the step. ``torch.compile`` fuses it into a few generated C++ loops; the proj
 transformers' ``nn.Linear`` (or the int8 forms of :mod:`.linear` and :mod:`.w8a8`), since the
 opaque oneDNN weight of :class:`server.engine.chattts.step.linear.PackedLinear` cannot be traced.
 
-The graphs are built ahead of time (:mod:`.aot`: ``aot_compile``), saved in the cache's keyed
-folder and loaded by a restart without tracing. They are not frozen: inductor's ``freezing``
-(the weights as constants, the bf16 projections prepacked for oneDNN) cannot be saved; with it
-``aot_compile`` fails in AOTAutograd's cache entry (``AssertionError: expected OutputCode, got
-<class 'function'>``, ``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function
-is a wrapper, not inductor's output code). The w8a8 step, whose products are FBGEMM calls on
-weights it packed itself, loses nothing by it; the bf16 compiled step (``--quantize none``)
-multiplies by unpacked weights (measured: 38 ms at batch 1 unfrozen against 22 ms frozen, when
-it was still compiled lazily; ``git log`` of this file).
+The w8a8 step's graphs (the default profile's) are built ahead of time (:mod:`.aot`:
+``aot_compile``), saved in the cache's keyed folder and loaded by a restart without tracing.
+They are not frozen: inductor's ``freezing`` (the weights as constants, the bf16 projections
+prepacked for oneDNN) cannot be saved; with it ``aot_compile`` fails in AOTAutograd's cache
+entry (``AssertionError: expected OutputCode, got <class 'function'>``,
+``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function is a wrapper, not
+inductor's output code). The bf16 step (``--quantize none``), whose projections freezing
+packs (38 ms at batch 1 unfrozen against 22 ms frozen), is therefore still compiled lazily
+and frozen at every start, as before (:meth:`CompiledRunner._prepare_frozen`); inductor's
+FX-graph cache bypasses it, so a restart compiles it again.
 
 One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
 batch of 1 (its 0/1 rule), so there are two graphs (batch 1, and every larger batch), each for
@@ -38,14 +39,16 @@ server's cache dir) they are saved in a folder keyed by torch, the CPU, the mode
 form and its code, so a stale graph is never loaded; ``chattts-stream compile`` builds them
 ahead of time. Without one they are built at every start and kept in memory.
 
-A loaded graph keeps its shape guards (:mod:`.aot`); a step whose shape they refuse (one
-warm-up did not meet: warm-up runs every graph at its shortest and longest length) runs
-eagerly, logged once and counted (``misses``), instead of stalling every stream for a compile
-in the middle of serving: what ``fail_on_recompile`` did for the lazily compiled step.
+A graph built ahead of time keeps its shape guards (:mod:`.aot`); a step whose shape they
+refuse (one warm-up did not meet: warm-up runs every graph at its shortest and longest length)
+runs eagerly, logged once and counted (``misses``), instead of stalling every stream for a
+compile in the middle of serving. The lazily compiled step gets the same from
+``fail_on_recompile``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -112,6 +115,9 @@ class CompiledRunner:
         #: The graphs by :func:`.aot.graph_name`: batch 1, and every larger batch.
         self._graphs: dict[str, StepFn] = {}
         self._prepared = False
+        #: Build the graphs ahead of time and save them (else: compile lazily, frozen; see the module).
+        self.ahead_of_time = True
+        self._lazy: StepFn | None = None
         self._cache: CompileCache | None = None
         self._facts: dict[str, str] = {}
         #: Steps run eagerly because no graph's guards covered their shape (should stay 0).
@@ -127,6 +133,9 @@ class CompiledRunner:
         Raises whatever the compiler raised (no C++ compiler, an operator inductor cannot
         lower): the engine then falls back to the eager step, loudly.
         """
+        if not self.ahead_of_time:
+            self._prepare_frozen(shapes)
+            return
         began = time.perf_counter()
         hints = graph_hints(shapes)
         if self._cache is None:
@@ -152,7 +161,7 @@ class CompiledRunner:
         )
 
     def _load_or_build(self, hints: Mapping[str, Shape], folder: Path) -> int:
-        """Load each graph saved in ``folder`` build and save the rest: how many loaded."""
+        """Load each graph saved in ``folder``, build and save the rest: how many loaded."""
         loaded = 0
         for name, shape in hints.items():
             path = folder / f"{name}.pt"
@@ -168,8 +177,46 @@ class CompiledRunner:
             self._graphs[name] = graph
         return loaded
 
+    def _prepare_frozen(self, shapes: Sequence[Shape]) -> None:
+        """Compile lazily, frozen: the warm-up shapes' first calls compile (into the cache's folder)."""
+        import torch._inductor.config as inductor_config
+        from torch._dynamo.utils import counters
+
+        began = time.perf_counter()
+        before = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+        lazy = self._compiler(aot.traced(self._step), dynamic=True)
+        facts = {**self._facts, "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
+        opened = contextlib.nullcontext(None) if self._cache is None else self._cache.open(facts)
+        with opened as folder:
+            # Compiling happens at these first calls, so freezing is patched in around them
+            # (``torch.compile(options={"freezing": True})`` did not freeze this step's weights).
+            with inductor_config.patch(freezing=True):
+                for batch, length in compile_order(shapes):
+                    lazy(batch, length)
+            if self._cache is not None and folder is not None:
+                self._cache.seal(folder, facts)
+        self._lazy, self._prepared = lazy, True
+        hits, misses = (counters["inductor"][k] - n for k, n in before.items())
+        log.info(
+            "compiled the token step (inductor) in %.1f s: %d of %d graphs' code from %s%s",
+            time.perf_counter() - began,
+            hits,
+            hits + misses,
+            folder or "inductor's default cache",
+            # bf16 projections frozen into oneDNN tensors: inductor's FX-graph cache bypasses them
+            "" if hits + misses else " (inductor's cache bypassed this step: a restart compiles it again)",
+        )
+
     def run(self, batch: int, length: int) -> None:
         """One compiled step; eagerly if no graph serves this shape (before :meth:`prepare` too)."""
+        if self._lazy is not None:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    self._lazy(batch, length)
+                return
+            except RuntimeError as exc:
+                if "recompile" not in str(exc).lower():
+                    raise
         graph = self._graphs.get(aot.graph_name(batch))
         if graph is not None:
             try:
@@ -190,8 +237,11 @@ class CompiledRunner:
 def use_compile_cache(runner: object, options: EngineOptions, model_dir: Path, dtype: torch.dtype) -> None:
     """Give a compiled runner the engine's :class:`CompileCache` (``options.compile_cache_dir``), keyed.
 
-    Anything else (another runner, no cache dir) is left as it is.
+    The bf16 step (``--quantize none``) is compiled lazily and frozen, not ahead of time (the
+    module says why). Anything else (another runner, no cache dir) is left as it is.
     """
+    if isinstance(runner, CompiledRunner) and options.quantize == "none":
+        runner.ahead_of_time = False
     if options.compile_cache_dir is not None and isinstance(runner, CompiledRunner):
         facts = step_facts(model_dir=model_dir, dtype=dtype, quantize=options.quantize)
         runner.use_cache(CompileCache(Path(options.compile_cache_dir)), facts)
