@@ -140,7 +140,7 @@ class CompiledRunner:
         hints = graph_hints(shapes)
         if self._cache is None:
             self._graphs = {
-                name: aot.build(self._step, shape, self._compiler) for name, shape in hints.items()
+                name: aot.build(self._step, shape, self._compiler)[0] for name, shape in hints.items()
             }
             loaded, where = 0, "nowhere (no cache dir: compiled again at every start)"
         else:
@@ -170,10 +170,10 @@ class CompiledRunner:
                     self._graphs[name] = aot.load(path, self._step)
                     loaded += 1
                     continue
-                except Exception as exc:  # sealed, yet this torch cannot read it: build it again
+                except Exception as exc:  # another engine in this process, or unreadable: build it
                     log.warning("compiled graph %s not loaded (%s): compiling afresh", path, exc)
-            graph = aot.build(self._step, shape, self._compiler)
-            aot.save(graph, path, self._step)
+            graph, constants = aot.build(self._step, shape, self._compiler)
+            aot.save(graph, constants, path, self._step)
             self._graphs[name] = graph
         return loaded
 
