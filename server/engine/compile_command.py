@@ -47,10 +47,10 @@ def run_compile(args: argparse.Namespace) -> int:
     step = settings.compile_step
     if step == "auto":  # as the profile sets it on a CPU, the only device whose step compiles
         step = profile_values(settings.profile, "cpu", w8a8_available=True)["compile_step"]
-    if step != "on":
+    if step not in ("on", "ahead"):
         print(
             "chattts-stream compile: nothing to compile: the step compiles under --profile realtime "
-            "(the default) or --compile-step on (CHATTTS_COMPILE_STEP=on)"
+            "(the default) or --compile-step on or ahead (CHATTTS_COMPILE_STEP=on)"
         )
         return 2
     if settings.engine != "chattts":

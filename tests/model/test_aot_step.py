@@ -58,7 +58,7 @@ def test_a_saved_graph_is_loaded_and_computes_with_the_new_steps_tensors(
 ) -> None:
     cache = CompileCache(tmp_path / "compiled")
     built, loaded = ToyStep(1.0), ToyStep(3.0)
-    first = CompiledRunner(built)
+    first = CompiledRunner(built, ahead_of_time=True)
     first.use_cache(cache, FACTS)
     first.prepare(SHAPES)
     (folder,) = [p for p in cache.root.iterdir() if p.is_dir()]
@@ -70,7 +70,7 @@ def test_a_saved_graph_is_loaded_and_computes_with_the_new_steps_tensors(
     ]
 
     before = built.out.clone()
-    restart = CompiledRunner(loaded, compiler=_no_compiler)  # a restart compiles nothing
+    restart = CompiledRunner(loaded, compiler=_no_compiler, ahead_of_time=True)  # compiles nothing
     restart.use_cache(cache, FACTS)
     with caplog.at_level(logging.INFO, "server.engine.chattts.step.compiled"):
         restart.prepare(SHAPES)
@@ -85,11 +85,11 @@ def test_a_saved_graph_of_other_constants_is_compiled_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = CompileCache(tmp_path / "compiled")
-    first = CompiledRunner(ToyStep(1.0))
+    first = CompiledRunner(ToyStep(1.0), ahead_of_time=True)
     first.use_cache(cache, FACTS)
     first.prepare(SHAPES)
     other = ToyStep(1.0, offset=5.0)
-    restart = CompiledRunner(other)
+    restart = CompiledRunner(other, ahead_of_time=True)
     restart.use_cache(cache, FACTS)
     with caplog.at_level(logging.INFO, "server.engine.chattts.step.compiled"):
         restart.prepare(SHAPES)
@@ -102,7 +102,7 @@ def test_a_saved_graph_of_other_constants_is_compiled_again(
 
 def test_a_shape_the_guards_refuse_steps_eagerly_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
     step = ToyStep(2.0)
-    runner = CompiledRunner(step)
+    runner = CompiledRunner(step, ahead_of_time=True)
     runner.prepare(SHAPES)
     assert runner.misses == 0  # warm-up met every graph within its guards
     with caplog.at_level(logging.WARNING, "server.engine.chattts.step.compiled"):

@@ -47,6 +47,7 @@ FACTS = {
     "dtype": "bfloat16",
     "quantize": "w8a8",
     "shapes": "1x256 1x3120",
+    "compiled": "frozen",
     "transformers": "4.57.1",
     "step_code": "sha256:00",
 }
@@ -62,6 +63,7 @@ FACTS = {
         ("dtype", "float32"),
         ("quantize", "none"),
         ("shapes", "1x256 1x2048"),
+        ("compiled", "ahead"),
         ("transformers", "4.58.0"),
         ("step_code", "sha256:01"),
     ],
@@ -224,15 +226,18 @@ def test_compile_without_the_compiled_step_says_so(
     TEST_DEVICE != "cpu" or not quantized_engine_available(), reason="w8a8: FBGEMM, x86-64 CPU"
 )
 @pytest.mark.timeout(1800)  # two compiles (cold, then warm) of two graphs on a loaded 2-core machine
+@pytest.mark.parametrize("compile_step", ["on", "ahead"])
 def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused(
-    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, compile_step: str
 ) -> None:
     """A restart is a new process: ``compile`` twice, the second finding every graph's code in the folder.
 
-    w8a8, the CPU's real-time step: with ``--quantize none`` freezing packs the bf16 projections
-    into oneDNN tensors, which inductor's FX-graph cache cannot pickle, so it bypasses them (0 of 0).
+    ``on``: inductor's FX-graph cache hits every graph; ``ahead``: every graph is loaded from its
+    saved file (``step/aot.py``). w8a8, the CPU's real-time step: with ``--quantize none``
+    freezing packs the bf16 projections into oneDNN tensors, which inductor's FX-graph cache
+    cannot pickle, so it bypasses them (0 of 0).
     """
-    flags = ("--compile-step", "on", "--quantize", "w8a8", "--dtype", "bfloat16", "--max-batch", "1")
+    flags = ("--compile-step", compile_step, "--quantize", "w8a8", "--dtype", "bfloat16", "--max-batch", "1")
     cold = _compile_command(tiny_model_dir, tmp_path, *flags)
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert f"into {tmp_path / 'compiled'}" in cold.stdout
@@ -240,7 +245,10 @@ def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["facts"]["model"] == model_digest(tiny_model_dir)
     assert manifest["facts"]["torch"] == torch.__version__ and manifest["facts"]["shapes"]
-    assert "aot/batch1.pt" in manifest["files"]  # the graph, saved ahead of time (step/aot.py)
+    assert manifest["facts"]["compiled"] == ("ahead" if compile_step == "ahead" else "frozen")
+    if compile_step == "ahead":
+        assert "aot/batch1.pt" in manifest["files"]  # the graph, saved ahead of time (step/aot.py)
+    assert any(name.startswith("inductor/") for name in manifest["files"])
     assert list((tmp_path / "compiled" / "torch_extensions").rglob("*.so"))  # the C++ attention, built there
     graphs = re.search(r"in [\d.]+ s: 0 of (\d+) graphs' code from " + re.escape(str(folder)), cold.stderr)
     # One graph: dynamo specializes batch 1, and no step attends over a whole slot (its spare position)
@@ -255,7 +263,9 @@ def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused
 
     # A truncated copy of one artifact: refused (never loaded) and emptied, with one log line.
     manifest = json.loads((folder / MANIFEST).read_text())
-    artifact = folder / "aot" / "batch1.pt"
+    artifact = next(
+        folder / name for name in sorted(manifest["files"]) if name.startswith(("aot/", "inductor/"))
+    )
     artifact.write_bytes(artifact.read_bytes()[:-1])
     assert (
         CompileCache.check(folder, manifest["facts"])

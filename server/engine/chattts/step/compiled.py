@@ -105,18 +105,21 @@ class CompiledRunner:
     Args:
         step: the static step.
         compiler: ``torch.compile`` (tests pass a failing one to exercise the fallback).
+        ahead_of_time: build the graphs ahead of time (:mod:`.aot`) rather than lazily, frozen.
     """
 
     kind = "compiled"
 
-    def __init__(self, step: StepFn, *, compiler: Compiler = torch.compile) -> None:
+    def __init__(
+        self, step: StepFn, *, compiler: Compiler = torch.compile, ahead_of_time: bool = False
+    ) -> None:
         self._step = step
         self._compiler = compiler
         #: The graphs by :func:`.aot.graph_name`: batch 1, and every larger batch.
         self._graphs: dict[str, StepFn] = {}
         self._prepared = False
         #: Build the graphs ahead of time and save them (else: compile lazily, frozen; see the module).
-        self.ahead_of_time = True
+        self.ahead_of_time = ahead_of_time
         self._lazy: StepFn | None = None
         self._cache: CompileCache | None = None
         self._facts: dict[str, str] = {}
@@ -144,7 +147,7 @@ class CompiledRunner:
             }
             loaded, where = 0, "nowhere (no cache dir: compiled again at every start)"
         else:
-            facts = {**self._facts, "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
+            facts = {**self._facts, "compiled": "ahead", "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
             with self._cache.open(facts) as folder:
                 loaded = self._load_or_build(hints, folder / aot.FOLDER)
                 self._cache.seal(folder, facts)
@@ -185,7 +188,7 @@ class CompiledRunner:
         began = time.perf_counter()
         before = {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         lazy = self._compiler(aot.traced(self._step), dynamic=True)
-        facts = {**self._facts, "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
+        facts = {**self._facts, "compiled": "frozen", "shapes": " ".join(f"{b}x{n}" for b, n in shapes)}
         opened = contextlib.nullcontext(None) if self._cache is None else self._cache.open(facts)
         with opened as folder:
             # Compiling happens at these first calls, so freezing is patched in around them
@@ -237,11 +240,11 @@ class CompiledRunner:
 def use_compile_cache(runner: object, options: EngineOptions, model_dir: Path, dtype: torch.dtype) -> None:
     """Give a compiled runner the engine's :class:`CompileCache` (``options.compile_cache_dir``), keyed.
 
-    The bf16 step (``--quantize none``) is compiled lazily and frozen, not ahead of time (the
-    module says why). Anything else (another runner, no cache dir) is left as it is.
+    And build its graphs ahead of time only under ``options.compile_ahead`` (the module says why
+    not always). Anything else (another runner, no cache dir) is left as it is.
     """
-    if isinstance(runner, CompiledRunner) and options.quantize == "none":
-        runner.ahead_of_time = False
+    if isinstance(runner, CompiledRunner):
+        runner.ahead_of_time = options.compile_ahead
     if options.compile_cache_dir is not None and isinstance(runner, CompiledRunner):
         facts = step_facts(model_dir=model_dir, dtype=dtype, quantize=options.quantize)
         runner.use_cache(CompileCache(Path(options.compile_cache_dir)), facts)
