@@ -19,12 +19,16 @@ killed), whose facts differ (copied from elsewhere) or whose files changed (a di
 truncated copy) is removed, with one log line, and the step is compiled afresh. An ``flock``
 keeps two processes sharing the volume from compiling into one folder at once.
 
-What a warm folder saves, measured (``docs/operations.md``, "Run on a CPU"): everything the
-first start did for the step. A restart loads the saved graphs (``aot/*.pt``) in seconds and
-runs warm-up through them: no dynamo tracing, no AOTAutograd, no inductor. (Before the graphs
-were saved, the FX-graph cache alone saved only inductor's C++ compile: dynamo and AOTAutograd
-traced again at every start, about 166 of a restart's 189 s on two cores.) Loading writes
-nothing into the folder, so the seal holds across restarts.
+What a warm folder saves, measured (``docs/operations.md``, "Run on a CPU"). Under
+``--compile-step ahead``, everything the first start did for the step: a restart loads the
+saved graphs (``aot/*.pt``) in seconds and runs warm-up through them, with no dynamo tracing,
+AOTAutograd or inductor; loading writes nothing into the folder, so the seal holds. Under
+``--compile-step on`` (lazily, frozen), only inductor's C++ compile and link of every graph
+(the FX-graph cache hits 2 of 2): dynamo's tracing, AOTAutograd's and the freezing passes run
+at every start, since AOTAutograd's own cache refuses a frozen graph ("Cannot cache a graph
+with freezing enabled"), about 166 of a restart's 189 s on two cores; and nothing for the bf16
+compiled step (``--quantize none``), whose oneDNN-packed weights make inductor's FX-graph
+cache bypass the graph (neither hit nor miss counted).
 """
 
 from __future__ import annotations

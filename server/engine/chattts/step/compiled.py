@@ -1,4 +1,4 @@
-"""The token step compiled by inductor on the CPU (``--compile-step on``).
+"""The token step compiled by inductor on the CPU (``--compile-step on`` or ``ahead``).
 
 An eager CPU step is hundreds of small operator calls per token (norms, rotary, residuals,
 the attention's casts and masks, sampling) around the 140 projections, each paying
@@ -7,16 +7,22 @@ of the step. ``torch.compile`` fuses it into a few generated C++ loops; the proj
 transformers' ``nn.Linear`` (or the int8 forms of :mod:`.linear` and :mod:`.w8a8`), since the
 opaque oneDNN weight of :class:`server.engine.chattts.step.linear.PackedLinear` cannot be traced.
 
-The w8a8 step's graphs (the default profile's) are built ahead of time (:mod:`.aot`:
-``aot_compile``), saved in the cache's keyed folder and loaded by a restart without tracing.
-They are not frozen: inductor's ``freezing`` (the weights as constants, the bf16 projections
-prepacked for oneDNN) cannot be saved; with it ``aot_compile`` fails in AOTAutograd's cache
-entry (``AssertionError: expected OutputCode, got <class 'function'>``,
-``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function is a wrapper, not
-inductor's output code). The bf16 step (``--quantize none``), whose projections freezing
-packs (38 ms at batch 1 unfrozen against 22 ms frozen), is therefore still compiled lazily
-and frozen at every start, as before (:meth:`CompiledRunner._prepare_frozen`); inductor's
-FX-graph cache bypasses it, so a restart compiles it again.
+Two ways to compile. ``--compile-step on`` (the realtime profile's) compiles lazily at
+warm-up, with inductor's ``freezing`` (the weights as constants, the bf16 projections prepacked
+for oneDNN); a restart finds inductor's C++ in the cache's folder but traces again (dynamo,
+AOTAutograd, freezing): minutes on two cores. ``--compile-step ahead`` builds the graphs ahead
+of time (:mod:`.aot`: ``aot_compile``), saves them in the folder, and a restart loads them in
+seconds without tracing. Those are not frozen, because freezing cannot be saved: with it
+``aot_compile`` fails in AOTAutograd's cache entry (``AssertionError: expected OutputCode, got
+<class 'function'>``, ``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function
+is a wrapper, not inductor's output code); and unfrozen the step is slower. Measured on the
+2-core EPYC, full-size model, w8a8 at 256 positions, best of 5 rounds
+(``bench.cpu.step.compiled_step``, one process each, one after the other): 17.1 ms at batch 1
+and 34.8 ms at batch 8 ahead of time, against 14.6 and 22.8 ms frozen; the bf16 step
+(``--quantize none``) loses more (38 ms at batch 1 unfrozen against 22 ms frozen). Hence
+frozen by default, and ``ahead`` where start-up matters more than the step (autoscaling,
+frequent restarts). Why the unfrozen w8a8 step is slower was not profiled: not its
+projections, FBGEMM calls on weights the modules packed themselves.
 
 One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
 batch of 1 (its 0/1 rule), so there are two graphs (batch 1, and every larger batch), each for
@@ -33,11 +39,11 @@ on this project's 2-core AMD EPYC (full-size model, bf16): the step at batch 1 t
 22-25 ms against 37-38 ms eager and prepacked, 31-32 ms at batch 8 over 512 positions
 against about 46; end to end 1.13x the audio per second at one stream and 1.06x at eight
 (``git show 715c3f5:bench/results/cpu_realtime_epyc_compiled.md``; today's runs:
-``bench/results/cpu/``). Compiling the two graphs takes 4 to 7 minutes on those two cores;
-loading them, seconds. With a :class:`~.compile_cache.CompileCache` (the engine gives one: the
-server's cache dir) they are saved in a folder keyed by torch, the CPU, the model, the step's
-form and its code, so a stale graph is never loaded; ``chattts-stream compile`` builds them
-ahead of time. Without one they are built at every start and kept in memory.
+``bench/results/cpu/``). Compiling the two graphs takes 4 to 7 minutes on those two cores.
+With a :class:`~.compile_cache.CompileCache` (the engine gives one: the server's cache dir)
+what was compiled is kept in a folder keyed by torch, the CPU, the model, the step's form and
+code and the way it was compiled, so a stale artifact is never loaded; ``chattts-stream
+compile`` fills it before the server starts.
 
 A graph built ahead of time keeps its shape guards (:mod:`.aot`); a step whose shape they
 refuse (one warm-up did not meet: warm-up runs every graph at its shortest and longest length)
