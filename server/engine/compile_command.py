@@ -1,7 +1,9 @@
 """``chattts-stream compile``: build the compiled CPU step's artifacts ahead of time.
 
 ``serve`` with ``--compile-step on`` compiles the token step at warm-up and keeps what inductor
-built in ``<cache dir>/compiled`` (:mod:`server.engine.chattts.step.compile_cache`), keyed by
+built in ``<cache dir>/compiled`` (:mod:`server.engine.chattts.step.compile_cache`); with
+``--compile-step ahead`` it saves the step's graphs there too, which a restart loads without
+tracing (:mod:`server.engine.chattts.step.aot`). The folder is keyed by
 torch, the CPU, the model, the step's form and its code. This command loads the engine with the same flags
 (every ``serve`` flag and ``CHATTTS_*`` variable applies) and compiles, so that a server
 started afterwards, in an image built with it or after an init container ran it, finds its
