@@ -1,8 +1,10 @@
 """``chattts-stream compile``: build the compiled CPU step's artifacts ahead of time.
 
 ``serve`` with ``--compile-step on`` compiles the token step at warm-up and keeps what inductor
-built in ``<cache dir>/compiled`` (:mod:`server.engine.chattts.step.compile_cache`), keyed by
-torch, the CPU, the model and the step's form. This command loads the engine with the same flags
+built in ``<cache dir>/compiled`` (:mod:`server.engine.chattts.step.compile_cache`); with
+``--compile-step ahead`` it saves the step's graphs there too, which a restart loads without
+tracing (:mod:`server.engine.chattts.step.aot`). The folder is keyed by
+torch, the CPU, the model, the step's form and its code. This command loads the engine with the same flags
 (every ``serve`` flag and ``CHATTTS_*`` variable applies) and compiles, so that a server
 started afterwards, in an image built with it or after an init container ran it, finds its
 folder warm. Run it on the machine (or the same kind of CPU) that serves: another CPU is
@@ -47,10 +49,10 @@ def run_compile(args: argparse.Namespace) -> int:
     step = settings.compile_step
     if step == "auto":  # as the profile sets it on a CPU, the only device whose step compiles
         step = profile_values(settings.profile, "cpu", w8a8_available=True)["compile_step"]
-    if step != "on":
+    if step not in ("on", "ahead"):
         print(
             "chattts-stream compile: nothing to compile: the step compiles under --profile realtime "
-            "(the default) or --compile-step on (CHATTTS_COMPILE_STEP=on)"
+            "(the default) or --compile-step on or ahead (CHATTTS_COMPILE_STEP=on)"
         )
         return 2
     if settings.engine != "chattts":

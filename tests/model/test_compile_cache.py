@@ -1,11 +1,13 @@
 """The compiled CPU step's artifacts in the cache dir: keyed, sealed, refused when stale or foreign.
 
 * the key changes with every fact the generated code depends on (torch, CPU flags, the GPT's
-  weights, the step's form), so another machine, torch or model looks in another folder;
+  weights, the step's form, transformers and the step package's own code), so another machine,
+  torch, model or an edited step looks in another folder;
 * a folder that is not sealed, sealed for other facts (copied from elsewhere) or whose files
   changed is emptied with one log line and compiled afresh, never used;
 * ``chattts-stream compile`` builds the folder a later engine with the same flags loads from
-  (inductor's FX-graph cache hits every graph), and a corrupted artifact there is rebuilt.
+  (every graph loaded from its saved file, nothing traced, the folder unchanged by the load),
+  and a corrupted artifact there is rebuilt.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from server.engine.chattts.step.compile_cache import (
     cpu_flags,
     machine_facts,
     model_digest,
+    step_code_digest,
     step_facts,
 )
 from server.engine.chattts.step.w8a8 import quantized_engine_available
@@ -44,6 +47,9 @@ FACTS = {
     "dtype": "bfloat16",
     "quantize": "w8a8",
     "shapes": "1x256 1x3120",
+    "compiled": "frozen",
+    "transformers": "4.57.1",
+    "step_code": "sha256:00",
 }
 
 
@@ -57,6 +63,9 @@ FACTS = {
         ("dtype", "float32"),
         ("quantize", "none"),
         ("shapes", "1x256 1x2048"),
+        ("compiled", "ahead"),
+        ("transformers", "4.58.0"),
+        ("step_code", "sha256:01"),
     ],
 )
 def test_every_fact_is_part_of_the_key(tmp_path: Path, fact: str, other: str) -> None:
@@ -88,6 +97,36 @@ def test_the_model_digest_follows_the_gpt_weights(tiny_model_dir: Path, tmp_path
     assert (
         facts["model"] == model_digest(copy) and facts["dtype"] == "bfloat16" and facts["quantize"] == "w8a8"
     )
+
+
+@pytest.mark.parametrize("edit", ["changed", "added", "removed", "csrc"])
+def test_the_step_code_digest_follows_every_source_of_the_step(tmp_path: Path, edit: str) -> None:
+    """An edited step is another key: the engine's facts carry the digest, which any edit changes."""
+    package = Path(step_facts.__code__.co_filename).parent
+    copy = tmp_path / "step"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert step_code_digest(copy) == step_code_digest(package)
+    if edit == "changed":
+        source = copy / "token_step.py"
+        source.write_text(source.read_text().replace("accept = stepping &", "accept = stepping  &"))
+    elif edit == "added":
+        (copy / "newstep.py").write_text("X = 1\n")
+    elif edit == "removed":
+        (copy / "sampling.py").unlink()
+    else:
+        (copy / "csrc" / "decode_attention.cpp").write_text("// another attention\n")
+    edited = step_code_digest(copy)
+    assert edited != step_code_digest(package)
+    (copy / "notes.txt").write_text("not code")  # neither a module nor the C++ source: no new key
+    assert step_code_digest(copy) == edited
+
+
+def test_the_engine_facts_name_the_step_code_and_transformers(tiny_model_dir: Path) -> None:
+    import transformers
+
+    facts = step_facts(model_dir=tiny_model_dir, dtype=torch.bfloat16, quantize="w8a8")
+    assert facts["step_code"] == step_code_digest() and facts["step_code"].startswith("sha256:")
+    assert facts["transformers"] == transformers.__version__
 
 
 def _sealed(cache: CompileCache, facts: dict[str, str], *, at: Path | None = None) -> Path:
@@ -187,15 +226,18 @@ def test_compile_without_the_compiled_step_says_so(
     TEST_DEVICE != "cpu" or not quantized_engine_available(), reason="w8a8: FBGEMM, x86-64 CPU"
 )
 @pytest.mark.timeout(1800)  # two compiles (cold, then warm) of two graphs on a loaded 2-core machine
+@pytest.mark.parametrize("compile_step", ["on", "ahead"])
 def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused(
-    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, compile_step: str
 ) -> None:
     """A restart is a new process: ``compile`` twice, the second finding every graph's code in the folder.
 
-    w8a8, the CPU's real-time step: with ``--quantize none`` freezing packs the bf16 projections
-    into oneDNN tensors, which inductor's FX-graph cache cannot pickle, so it bypasses them (0 of 0).
+    ``on``: inductor's FX-graph cache hits every graph; ``ahead``: every graph is loaded from its
+    saved file (``step/aot.py``). w8a8, the CPU's real-time step: with ``--quantize none``
+    freezing packs the bf16 projections into oneDNN tensors, which inductor's FX-graph cache
+    cannot pickle, so it bypasses them (0 of 0).
     """
-    flags = ("--compile-step", "on", "--quantize", "w8a8", "--dtype", "bfloat16", "--max-batch", "1")
+    flags = ("--compile-step", compile_step, "--quantize", "w8a8", "--dtype", "bfloat16", "--max-batch", "1")
     cold = _compile_command(tiny_model_dir, tmp_path, *flags)
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert f"into {tmp_path / 'compiled'}" in cold.stdout
@@ -203,6 +245,9 @@ def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["facts"]["model"] == model_digest(tiny_model_dir)
     assert manifest["facts"]["torch"] == torch.__version__ and manifest["facts"]["shapes"]
+    assert manifest["facts"]["compiled"] == ("ahead" if compile_step == "ahead" else "frozen")
+    if compile_step == "ahead":
+        assert "aot/batch1.pt" in manifest["files"]  # the graph, saved ahead of time (step/aot.py)
     assert any(name.startswith("inductor/") for name in manifest["files"])
     assert list((tmp_path / "compiled" / "torch_extensions").rglob("*.so"))  # the C++ attention, built there
     graphs = re.search(r"in [\d.]+ s: 0 of (\d+) graphs' code from " + re.escape(str(folder)), cold.stderr)
@@ -214,10 +259,13 @@ def test_compile_builds_what_a_restart_loads_and_a_corrupted_artifact_is_refused
     n = graphs.group(1)
     assert f"s: {n} of {n} graphs' code from {folder}" in warm.stderr, warm.stderr[-3000:]
     assert "refused" not in warm.stderr
+    assert CompileCache.check(folder, manifest["facts"]) is None  # loading wrote nothing into it
 
     # A truncated copy of one artifact: refused (never loaded) and emptied, with one log line.
     manifest = json.loads((folder / MANIFEST).read_text())
-    artifact = next(folder / name for name in manifest["files"] if name.startswith("inductor/"))
+    artifact = next(
+        folder / name for name in sorted(manifest["files"]) if name.startswith(("aot/", "inductor/"))
+    )
     artifact.write_bytes(artifact.read_bytes()[:-1])
     assert (
         CompileCache.check(folder, manifest["facts"])

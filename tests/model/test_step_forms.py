@@ -200,17 +200,28 @@ async def test_a_failed_capture_falls_back_to_the_eager_step(
 @pytest.mark.timeout(900)  # inductor compiles four graphs: about 2 minutes on a quiet 2-core machine
 @pytest.mark.parametrize(
     "quantize",
-    ["none", pytest.param("w8a8", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU"))],
+    [
+        "none",
+        pytest.param("w8a8", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU")),
+        pytest.param("w8a8-ahead", marks=pytest.mark.skipif(not W8A8_HERE, reason="FBGEMM, x86-64 CPU")),
+    ],
 )
 def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
     fp32_engine: Any, tiny_model_dir: Path, quantize: str
 ) -> None:
-    """For w8a8 the compiled step reaches FBGEMM through ``chattts_stream::w8a8_rows``."""
+    """For w8a8 the compiled step reaches FBGEMM through ``chattts_stream::w8a8_rows``.
+
+    ``w8a8-ahead``: ``--compile-step ahead``, the graphs built ahead of time (``step/aot.py``).
+    """
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.step.compiled import CompiledRunner
 
+    quantize, _, ahead = quantize.partition("-")
+
     def load(compile_step: bool) -> Any:
-        options = EngineOptions(max_batch=8, quantize=quantize, compile_step=compile_step)
+        options = EngineOptions(
+            max_batch=8, quantize=quantize, compile_step=compile_step, compile_ahead=bool(ahead)
+        )
         return ChatTTSEngine.load(
             model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", options=options
         )
@@ -227,6 +238,7 @@ def test_the_compiled_step_gives_the_same_tokens_as_the_eager_step(
     try:
         runner = engine._batch.runner
         assert isinstance(runner, CompiledRunner), engine.info.extra.get("token_step_fallback")
+        assert runner.ahead_of_time == bool(ahead)
         assert engine.info.extra["token_step"] == "compiled"
         # batches of rows attend through the C++ operator that reads each row only as far as it reaches
         assert engine.info.extra["attention"] == "step_attention"
@@ -341,16 +353,21 @@ def _layer(width: int) -> torch.nn.Module:
 
 
 def _failing_compiler(fn: Any, **options: Any) -> Any:
-    """``torch.compile`` on a machine without a C++ compiler: it fails at the first call."""
+    """``torch.compile`` on a machine without a C++ compiler: compiling fails, ahead of time or lazily."""
 
-    def compiled(*args: Any) -> None:
-        raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
+    class Compiled:
+        def aot_compile(self, example: Any) -> Any:
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error (no g++)")
 
-    return compiled
+        def __call__(self, *args: Any) -> None:
+            self.aot_compile(args)
+
+    return Compiled()
 
 
+@pytest.mark.parametrize("ahead", [False, True])  # compiled lazily and frozen, or ahead of time
 def test_a_failed_compile_falls_back_to_the_eager_step(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, ahead: bool
 ) -> None:
     from server.engine.chattts.engine import ChatTTSEngine
     from server.engine.chattts.step.compiled import CompiledRunner
@@ -358,9 +375,14 @@ def test_a_failed_compile_falls_back_to_the_eager_step(
     def factory(step: Any) -> Any:
         return CompiledRunner(step, compiler=_failing_compiler)
 
+    options = EngineOptions(compile_ahead=ahead)
     with caplog.at_level(logging.ERROR, logger="server.engine.chattts.step.runner"):
         engine = ChatTTSEngine.load(
-            model_dir=tiny_model_dir, device=TEST_DEVICE, dtype="float32", step_runner=factory
+            model_dir=tiny_model_dir,
+            device=TEST_DEVICE,
+            dtype="float32",
+            step_runner=factory,
+            options=options,
         )
     try:
         loud = [r for r in caplog.records if "TOKEN STEP FALLBACK" in r.getMessage()]

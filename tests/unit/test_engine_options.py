@@ -122,6 +122,14 @@ def test_engine_options_maps_the_flags() -> None:
     assert engine_options(load_settings([], env={"CHATTTS_MAX_BATCH": "2"})).max_batch == 2
 
 
+@pytest.mark.parametrize(
+    ("flag", "compiled", "ahead"), [("on", True, False), ("ahead", True, True), ("off", False, False)]
+)
+def test_compile_step_ahead_compiles_the_step_ahead_of_time(flag: str, compiled: bool, ahead: bool) -> None:
+    options = engine_options(load_settings(["--compile-step", flag], env={}))
+    assert (options.compile_step, options.compile_ahead) == (compiled, ahead)
+
+
 @pytest.mark.parametrize(("flag", "overlap"), [("auto", None), ("on", True), ("off", False)])
 def test_overlap_quanta_maps_to_the_option(flag: str, overlap: bool | None) -> None:
     options = engine_options(load_settings(["--overlap-quanta", flag], env={}))

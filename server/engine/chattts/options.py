@@ -104,6 +104,10 @@ class EngineOptions:
     """Compile the token step with ``torch.compile`` (inductor) at warm-up, on the CPU only
     (:mod:`server.engine.chattts.step.compiled`); a failed compile runs it eagerly."""
 
+    compile_ahead: bool = False
+    """With ``compile_step``: build the step's graphs ahead of time and save them, unfrozen, so a
+    restart loads them (:mod:`server.engine.chattts.step.aot`), instead of compiling lazily, frozen."""
+
     compile_cache_dir: str | None = None
     """Where the compiled step's artifacts are kept across restarts, one folder per key
     (:mod:`server.engine.chattts.step.compile_cache`); the server passes ``<cache dir>/compiled``.

@@ -1,14 +1,17 @@
 """Where the compiled CPU step's artifacts are kept across restarts, and when they may be used.
 
-Inductor keeps what it compiled (the generated C++ and the libraries built from it: its FX-graph
-cache) in ``TORCHINDUCTOR_CACHE_DIR``, by default a folder in ``/tmp`` that a container loses on
-every restart. :class:`CompileCache` puts it in the server's cache dir (``--cache-dir``,
-``CHATTTS_CACHE_DIR``; ``/models`` in the images, a volume), in one folder per **key**: a hash of
-everything the generated code depends on (:func:`step_facts`): torch's and Python's versions,
-the CPU's instruction sets (inductor writes AVX-512 or AVX2 code for the CPU it runs on), the
-GPT's weights file, and the step's form (dtype, quantization, its bucket shapes). Another torch,
-another CPU or another model therefore looks in another folder: a stale or foreign artifact is
-rebuilt, never loaded.
+The compiled step's graphs, saved ahead of time (:mod:`.aot`), and what inductor compiled for
+them (the generated C++ and its libraries: its FX-graph cache, ``TORCHINDUCTOR_CACHE_DIR``, by
+default a folder in ``/tmp`` that a container loses on every restart) are kept in the server's
+cache dir (``--cache-dir``, ``CHATTTS_CACHE_DIR``; ``/models`` in the images, a volume), in one
+folder per **key**: a hash of everything the generated code depends on (:func:`step_facts`):
+torch's and Python's versions, the CPU's instruction sets (inductor writes AVX-512 or AVX2 code
+for the CPU it runs on), the GPT's weights file, the step's form (dtype, quantization, its
+bucket shapes), and the code the graph is traced from: transformers' version (its Llama layers)
+and a digest of this package's own sources (:func:`step_code_digest`), so that an edited step,
+or a deploy of a new commit, never meets the artifact of the old one. Another torch, another
+CPU, another model or another step therefore looks in another folder: a stale or foreign
+artifact is rebuilt, never loaded.
 
 A folder is **sealed** after a compile succeeded: ``manifest.json`` holds the facts and the
 SHA-256 of every file. Opening a folder checks both; a folder that is not sealed (a compile was
@@ -16,14 +19,16 @@ killed), whose facts differ (copied from elsewhere) or whose files changed (a di
 truncated copy) is removed, with one log line, and the step is compiled afresh. An ``flock``
 keeps two processes sharing the volume from compiling into one folder at once.
 
-What a warm folder saves, measured (``docs/operations.md``, "Run on a CPU"): inductor's C++
-compile and link of every graph (the FX-graph cache then hits 4 of 4). It does not save dynamo's
-tracing, AOTAutograd's, or the freezing passes: AOTAutograd's own cache refuses a frozen graph
-("Cannot cache a graph with freezing enabled") and, unfrozen, one that enters autocast
-(transformers' rotary embedding does), so those run at every start. And it saves nothing for
-the bf16 compiled step (``--quantize none``): there freezing packs the projections into oneDNN
-tensors, and inductor's FX-graph cache bypasses such a graph (neither hit nor miss counted);
-the w8a8 step, whose products are FBGEMM calls, is cached.
+What a warm folder saves, measured (``docs/operations.md``, "Run on a CPU"). Under
+``--compile-step ahead``, everything the first start did for the step: a restart loads the
+saved graphs (``aot/*.pt``) in seconds and runs warm-up through them, with no dynamo tracing,
+AOTAutograd or inductor; loading writes nothing into the folder, so the seal holds. Under
+``--compile-step on`` (lazily, frozen), only inductor's C++ compile and link of every graph
+(the FX-graph cache hits 2 of 2): dynamo's tracing, AOTAutograd's and the freezing passes run
+at every start, since AOTAutograd's own cache refuses a frozen graph ("Cannot cache a graph
+with freezing enabled"), about 166 of a restart's 189 s on two cores; and nothing for the bf16
+compiled step (``--quantize none``), whose oneDNN-packed weights make inductor's FX-graph
+cache bypass the graph (neither hit nor miss counted).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import transformers
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ MANIFEST = "manifest.json"
 GPT_FILES = ("config.json", "model.safetensors")
 #: /proc/cpuinfo flags whose presence changes the code inductor or FBGEMM generate.
 CPU_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "bmi", "vnni")
+#: The step package: the code dynamo traces the compiled graph from (and the C++ attention's source).
+STEP_PACKAGE = Path(__file__).resolve().parent
 #: Inductor's lock files (``locks/*.lock``, written as it runs) and the manifest: not artifacts.
 _NOT_ARTIFACTS = {"locks", MANIFEST, f"{MANIFEST}.tmp"}
 
@@ -86,8 +94,21 @@ def model_digest(model_dir: Path) -> str:
     return "sha256:" + hashlib.sha256(" ".join(parts).encode()).hexdigest()
 
 
+def step_code_digest(package: Path = STEP_PACKAGE) -> str:
+    """One digest of the step package's sources (``*.py`` and ``csrc/``), names and bytes.
+
+    The whole package rather than the modules a graph happens to trace today: a file left out
+    would be the one whose edit loads an old graph. Editing a docstring here costs one compile.
+    """
+    digest = hashlib.sha256()
+    sources = sorted([*package.glob("*.py"), *(p for p in package.glob("csrc/*") if p.is_file())])
+    for path in sources:
+        digest.update(f"{path.relative_to(package)}\0{file_digest(path)}\0".encode())
+    return "sha256:" + digest.hexdigest()
+
+
 def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[str, str]:
-    """The key's facts for one engine: the machine's, the GPT's weights and the step's form.
+    """The key's facts for one engine: the machine's, the GPT's weights, the step's form and code.
 
     The bucket shapes are added by the runner, which knows them (:meth:`CompiledRunner.prepare`).
     """
@@ -96,6 +117,8 @@ def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[st
         "model": model_digest(model_dir),
         "dtype": str(dtype).removeprefix("torch."),
         "quantize": quantize,
+        "transformers": transformers.__version__,
+        "step_code": step_code_digest(),
     }
 
 

@@ -120,7 +120,8 @@ class SlotBatch:
             hidden_size=layout.hidden_size,
             num_vq=layout.num_vq,
             block=max(layout.block_schedule),
-            max_len=layout.max_len,
+            # The positions' columns, as long as a slot: no compiled step's mask views all of them
+            max_len=layout.max_len + (SPARE_POSITIONS if compiled else 0),
             empty_code=layout.eos + 1,
             device=device,
         )
