@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-iterations", type=int, default=8, help="calls per timed run of the step part")
     p.add_argument("--compile", action="store_true", help="the step part also compiles transformers' Llama")
     p.add_argument(
-        "--step-compiled", default="", help="the step part also times the compiled step: bf16, int8, w8a8"
+        "--step-compiled",
+        default="",
+        help="the step part also times the compiled step: bf16, int8, w8a8, w8a8-ahead",
     )
     p.add_argument("--out", type=Path, default=result_stem("cpu"))
     return p

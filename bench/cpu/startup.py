@@ -33,6 +33,7 @@ from typing import Any
 from bench.harness.machine import describe_machine
 
 LINE = re.compile(r"compiled the token step \(inductor\) in ([\d.]+) s: (\d+) of (\d+) graphs")
+WARNING = re.compile(r"refused|not loaded|FALLBACK|no compiled graph")
 
 
 #: Longest a ``serve`` start may take before the run fails (a cold compile on two loaded cores).
@@ -90,6 +91,9 @@ def _figures(wall: float, logged: str, returncode: int) -> dict[str, Any]:
         "graphs_from_cache": int(found.group(2)),
         "graphs": int(found.group(3)),
         "load_average": os.getloadavg(),
+        # Why a start found less than it should (a refused folder, a graph not loaded): kept,
+        # since the log itself is deleted after a start that succeeded.
+        "warnings": [line[-300:] for line in logged.splitlines() if WARNING.search(line)],
     }
 
 

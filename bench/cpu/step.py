@@ -24,9 +24,10 @@ ever adds time, and every round is kept with the load average after it):
   activation) and the rest of the step (heads, sampling, bookkeeping);
 * with ``--compile``: ``transformers-compiled`` (``torch.compile``, default mode) and its
   compile time;
-* with ``--compiled-step FORMS`` (``bf16``, ``int8``, ``w8a8``): ``step-compiled``,
+* with ``--compiled-step FORMS`` (``bf16``, ``int8``, ``w8a8``, ``w8a8-ahead``): ``step-compiled``,
   ``step-compiled-int8`` and ``step-compiled-w8a8``, the engine's own ``--compile-step on``
-  runner (with that ``--quantize`` for the last two), each on a fresh load of the model
+  runner (with that ``--quantize`` for the last two), and ``step-compiled-w8a8-ahead``, the
+  default's ``--compile-step ahead`` (graphs built ahead of time, unfrozen), each on a fresh load of the model
   after the other rows (the runner freezes the weights it was compiled with, so it cannot
   share the forms' layers),
   compiled at these batches and this length, timed over the same number of rounds, with
@@ -288,15 +289,18 @@ def compiled_step(
 ) -> tuple[str, dict[str, Any]]:
     """The engine's compiled token step (``--compile-step on``) on a fresh load of the model.
 
-    ``quantize``: ``bf16`` (none), ``int8`` or ``w8a8``. Returns the row name and, per ``name@batch``, the
+    ``quantize``: ``bf16`` (none), ``int8``, ``w8a8`` or ``w8a8-ahead`` (built ahead of time, as
+    ``--compile-step ahead``). Returns the row name and, per ``name@batch``, the
     wall and CPU ms of every round (plus ``compile_s``: the runner's ``prepare`` at these shapes).
     """
     name = "step-compiled" if quantize == "bf16" else f"step-compiled-{quantize}"
+    form, _, ahead = quantize.partition("-")
     engine = bf16_cpu_engine(
         model_dir,
         max_batch=max(batches),
         compile_step=True,
-        quantize="none" if quantize == "bf16" else quantize,
+        compile_ahead=ahead == "ahead",
+        quantize="none" if form == "bf16" else form,
     )
     batch_runner = engine._batch
     timing: dict[str, Any] = {}
@@ -329,7 +333,9 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=8, help="calls per timed run")
     p.add_argument("--compile", action="store_true", help="also torch.compile transformers' LlamaModel")
     p.add_argument(
-        "--compiled-step", default="", help="comma-separated: bf16, int8, w8a8 (--compile-step on)"
+        "--compiled-step",
+        default="",
+        help="comma-separated: bf16, int8, w8a8 (--compile-step on), w8a8-ahead (--compile-step ahead)",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

@@ -161,11 +161,11 @@ class Settings:
     )
     compile_step: str = _opt(
         "auto",
-        "CPU: compile the token step with torch.compile (inductor) at warm-up: a token step about 1.5x "
-        "faster, minutes more start-up, needs a C++ compiler (a failed compile runs it eagerly); "
-        "ahead: compiled ahead of time and saved in the cache dir, so a restart loads it in seconds, "
-        "but not frozen: a slower step than on (about 1.2x at one stream, 1.5x at eight); "
-        "auto: as --profile says (on under realtime on a CPU)",
+        "CPU: compile the token step with torch.compile (inductor): a token step about 1.5x "
+        "faster, minutes more at the first start, needs a C++ compiler (a failed compile runs it eagerly); "
+        "ahead: built ahead of time and saved in the cache dir, so a restart loads it in seconds "
+        "(not frozen: as fast as on for w8a8, slower for the bf16 step); on: compiled lazily and frozen, "
+        "traced again at every start; auto: as --profile says (ahead with w8a8 under realtime on a CPU)",
         choices=("auto", "on", "ahead", "off"),
     )
     quantize: str = _opt(

@@ -202,7 +202,7 @@ def default_step_compiles(settings: Settings) -> bool:
     """Whether the server compiles its CPU step with these settings (``--profile`` applied for the
     image's ``--device``; an image sets ``cpu`` or ``cuda``, so no torch is needed to know it)."""
     device_type = "cuda" if settings.device.startswith("cuda") else "cpu"
-    return apply_profile(settings, device_type, w8a8_available=True).settings.compile_step == "on"
+    return apply_profile(settings, device_type, w8a8_available=True).settings.compile_step in ("on", "ahead")
 
 
 def http_api_port(settings: Settings) -> int:

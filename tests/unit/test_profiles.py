@@ -18,11 +18,11 @@ def test_the_default_profile_on_a_cpu_is_realtime_the_compiled_w8a8_step() -> No
     settings = load_settings([], env={})
     assert settings.profile == "realtime" == PROFILE_CHOICES[0]
     applied = apply_profile(settings, "cpu", w8a8_available=True)
-    assert _step(applied.settings) == ("on", "w8a8", "auto")  # auto: bf16 where the CPU has it natively
+    assert _step(applied.settings) == ("ahead", "w8a8", "auto")  # auto: bf16 where the CPU has it natively
     options = engine_options(applied.settings)
-    assert options.compile_step is True and options.quantize == "w8a8"
+    assert options.compile_step is True and options.compile_ahead is True and options.quantize == "w8a8"
     line = applied.log_line()
-    assert line.startswith("profile realtime on cpu: set --compile-step on, --quantize w8a8")
+    assert line.startswith("profile realtime on cpu: set --compile-step ahead, --quantize w8a8")
     assert "kept as given" not in line
 
 
@@ -55,8 +55,11 @@ def test_eager_and_exact_compile_nothing_and_exact_is_float32() -> None:
     ("flags", "expected", "kept"),
     [
         (["--compile-step", "off"], ("off", "w8a8", "auto"), "--compile-step off"),
+        (["--compile-step", "on"], ("on", "w8a8", "auto"), "--compile-step on"),
+        # the unfrozen graphs a restart loads are as fast as frozen ones for w8a8 only
         (["--quantize", "none"], ("on", "none", "auto"), "--quantize none"),
-        (["--dtype", "float32"], ("on", "w8a8", "float32"), "--dtype float32"),
+        (["--quantize", "int8"], ("on", "int8", "auto"), "--quantize int8"),
+        (["--dtype", "float32"], ("ahead", "w8a8", "float32"), "--dtype float32"),
     ],
 )
 def test_a_step_flag_given_explicitly_wins_over_the_profile(

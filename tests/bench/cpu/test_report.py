@@ -28,3 +28,10 @@ def test_no_margin_without_both_rows() -> None:
     """A run without ``--compiled-step w8a8`` (or without FBGEMM) reports no ratio rather than a wrong one."""
     assert _margin(_step(**{"floor-int8": 8.0})) == []
     assert _margin(_step(**{"step-compiled-w8a8": 12.0})) == []
+
+
+def test_the_margin_is_the_defaults_step_where_the_run_has_it() -> None:
+    """The default builds the step ahead of time: its row, not the lazily compiled one, meets the floor."""
+    both = _step(**{"step-compiled-w8a8": 9.0, "step-compiled-w8a8-ahead": 13.0, "floor-int8": 8.0})
+    [(_, numbers, met)] = _margin(both)
+    assert numbers.startswith("13.00 / 8.00 ms") and met is False

@@ -7,22 +7,24 @@ of the step. ``torch.compile`` fuses it into a few generated C++ loops; the proj
 transformers' ``nn.Linear`` (or the int8 forms of :mod:`.linear` and :mod:`.w8a8`), since the
 opaque oneDNN weight of :class:`server.engine.chattts.step.linear.PackedLinear` cannot be traced.
 
-Two ways to compile. ``--compile-step on`` (the realtime profile's) compiles lazily at
+Two ways to compile. ``--compile-step ahead`` (the realtime profile's, with w8a8) builds the
+graphs ahead of time (:mod:`.aot`: ``aot_compile``), saves them in the cache's folder, and a
+restart loads them in seconds without tracing. ``--compile-step on`` compiles lazily at
 warm-up, with inductor's ``freezing`` (the weights as constants, the bf16 projections prepacked
-for oneDNN); a restart finds inductor's C++ in the cache's folder but traces again (dynamo,
-AOTAutograd, freezing): minutes on two cores. ``--compile-step ahead`` builds the graphs ahead
-of time (:mod:`.aot`: ``aot_compile``), saves them in the folder, and a restart loads them in
-seconds without tracing. Those are not frozen, because freezing cannot be saved: with it
-``aot_compile`` fails in AOTAutograd's cache entry (``AssertionError: expected OutputCode, got
-<class 'function'>``, ``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function
-is a wrapper, not inductor's output code); and unfrozen the step is slower. Measured on the
-2-core EPYC, full-size model, w8a8 at 256 positions, best of 5 rounds
-(``bench.cpu.step.compiled_step``, one process each, one after the other): 17.1 ms at batch 1
-and 34.8 ms at batch 8 ahead of time, against 14.6 and 22.8 ms frozen; the bf16 step
-(``--quantize none``) loses more (38 ms at batch 1 unfrozen against 22 ms frozen). Hence
-frozen by default, and ``ahead`` where start-up matters more than the step (autoscaling,
-frequent restarts). Why the unfrozen w8a8 step is slower was not profiled: not its
-projections, FBGEMM calls on weights the modules packed themselves.
+for oneDNN); a restart finds inductor's C++ in the folder but traces again (dynamo,
+AOTAutograd, freezing): minutes on two cores. Graphs built ahead are not frozen, because
+freezing cannot be saved: with it ``aot_compile`` fails in AOTAutograd's cache entry
+(``AssertionError: expected OutputCode, got <class 'function'>``,
+``_aot_autograd/autograd_cache.py``: a frozen graph's compiled function is a wrapper, not
+inductor's output code). For the w8a8 step that costs nothing: its projections are FBGEMM
+calls on weights the modules packed themselves, and the generated kernels of the two forms are
+the same but for how the weights arrive (arguments rather than constants). On a quiet 2-core
+EPYC (full-size model, 256 positions, best of 40 calls, one process each, back to back):
+12.67 ms at batch 1 and 21.04 ms at batch 8 ahead of time, against 12.51 and 20.79 ms frozen
+(``bench/results/cpu/``; an earlier A/B that found the unfrozen step 1.2-1.5x slower ran
+beside other processes, which slow this step several-fold). The bf16 step
+(``--quantize none``) loses by not freezing (38 ms at batch 1 unfrozen against 22 ms frozen,
+measured once on a shared machine), so it compiles lazily and frozen.
 
 One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
 batch of 1 (its 0/1 rule), so there are two graphs (batch 1, and every larger batch), each for
