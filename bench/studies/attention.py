@@ -10,8 +10,8 @@ measures the second alone, in the layout the engine keeps them in (:class:`SlotK
 
 * ``attention``: the step's own :func:`~server.engine.chattts.step.llama.math_attention` over
   ``--layers`` layers, compiled by inductor as the step is (``torch.compile``, dynamic shapes);
-* ``decode_attention``: the C++ operator the compiled step calls at batches of two rows or
-  more (:mod:`server.engine.chattts.step.decode_attention`), which reads each row only up to
+* ``decode_attention``: the C++ operator the compiled step calls
+  (:mod:`server.engine.chattts.step.decode_attention`), which reads each row only up to
   its own last unmasked position, compiled the same way;
 * ``read``: the same slot views only read (each converted to float32 and summed), compiled
   the same way: what a loop over those bytes costs here with no attention arithmetic;

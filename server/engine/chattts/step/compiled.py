@@ -29,9 +29,9 @@ measured once on a shared machine), so it compiles lazily and frozen.
 One compile with dynamic shapes serves the whole closed bucket set: dynamo specializes a
 batch of 1 (its 0/1 rule), so there are two graphs (batch 1, and every larger batch), each for
 every attention length. There were four: a view of all of a slot's positions is contiguous
-where any shorter one is not, and the contiguity checks in the attention's matmul (batch 1)
-and in the C++ attention's inputs (AOTAutograd, batches) made the longest length a graph of
-its own. A compiled step's KV slots (and the positions' columns its mask is cut from) hold one
+where any shorter one is not, and the contiguity checks in the attention's inputs (the dense
+matmul's, then the C++ operator's through AOTAutograd) made the longest length a graph of its
+own. A compiled step's KV slots (and the positions' columns its mask is cut from) hold one
 spare position past the longest length
 (:data:`~server.engine.chattts.step.runner.SPARE_POSITIONS`), so no step views a whole slot
 (``TORCH_LOGS=recompiles``; ``bench/results/cpu/graphs-epyc-2core.md``). Batch 1 keeps its

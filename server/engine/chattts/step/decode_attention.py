@@ -9,8 +9,8 @@ positions, 10 ms). ``chattts_stream::decode_attention`` (``csrc/decode_attention
 the step's shapes and its mask, and computes :func:`~server.engine.chattts.step.llama.math_attention`'s
 arithmetic (float32 scores, softmax, weighted sum) per row and head, stopping at the row's
 last unmasked position. Inductor calls it as an opaque operator, so it is used only where
-the slot views reach it unconverted: the CPU's compiled step (``--compile-step on``), at
-batches of two rows or more (:func:`step_attention`).
+the slot views reach it unconverted: the CPU's compiled step (``--compile-step on`` or
+``ahead``), at every batch size (:func:`step_attention`).
 
 It is built with PyTorch's C++ extension loader (``torch.utils.cpp_extension.load``: a C++
 compiler and ninja, which the compiled step needs anyway) the first time a process asks for it,
@@ -34,8 +34,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from server.engine.chattts.step.llama import math_attention
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +158,16 @@ def decode_attention(
 def step_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The compiled CPU step's attention: :func:`decode_attention` for a batch, the dense form for one row.
+    """The compiled CPU step's attention: :func:`decode_attention`, for one row as for a batch.
 
-    One row has nothing to skip (it is the longest row), and there the two forms are within
-    this machine's noise of each other (20 layers at 128 positions: 0.78 against 0.61 ms in
-    ``bench/results/studies/attention-epyc-2core.md``, 0.42 against 0.33 the other way round with static
-    shapes, ad hoc), so a single stream keeps the dense form it was measured end to end with.
     At a batch the operator reads about half the bytes (0.50-0.55 of the dense time at 4 and
-    8 rows of every age). Under ``torch.compile`` the test is on the batch size, which dynamo
-    specializes at 1 anyway: no graph is added.
+    8 rows of every age). One row has nothing to skip, yet the operator wins there too, for
+    another reason: given the dense form, inductor fuses the rotary embedding of the query
+    into the attention's loop over key positions, and computes a cosine and a sine per
+    element of every position, head and layer (about 8 million a step at 256 positions: 3 %
+    of the step's CPU time in ``Sleef_cosf16``/``sinf16`` alone). An opaque operator makes
+    the query a tensor first, turned once. The whole batch-1 step, built ahead of time, took
+    0.95x the dense form's time (medians 13.2 against 13.9 ms, interleaved in one process:
+    ``bench/results/studies/step-attention-epyc-2core.md``).
     """
-    if q.shape[0] == 1:
-        return math_attention(q, keys, values, mask, scale)
     return decode_attention(q, keys, values, mask, scale)
