@@ -167,7 +167,8 @@ def step_attention(
     element of every position, head and layer (about 8 million a step at 256 positions: 3 %
     of the step's CPU time in ``Sleef_cosf16``/``sinf16`` alone). An opaque operator makes
     the query a tensor first, turned once. The whole batch-1 step, built ahead of time, took
-    0.95x the dense form's time (medians 13.2 against 13.9 ms, interleaved in one process:
-    ``bench/results/studies/step-attention-epyc-2core.md``).
+    0.90-0.98x the dense form's time by medians in three interleaved A/Bs in one process, a
+    gain about as large as this 2-core VM's noise (the batch-8 control moved 0.95x):
+    ``bench/results/studies/step-attention-epyc-2core.md``.
     """
     return decode_attention(q, keys, values, mask, scale)
