@@ -251,20 +251,28 @@ class Pace:
 
     # --- advising ------------------------------------------------------------------------
 
-    def expected_rows(self, *, joining: bool) -> float:
+    def expected_rows(self, *, joining: bool, open_streams: int = 0) -> float:
         """Rows a stream opened now shares its steps with.
 
-        The running and waiting ones (``joining``: plus one, a stream not yet submitted), or
-        the last window's mean when larger (streams that will join it).
+        The largest of: the running and waiting ones by the engine core's gauges; the streams
+        the front end holds open (``open_streams``, which the gauges have not all seen yet
+        when many start at once); each plus one when ``joining`` (a stream not yet opened);
+        and the last window's mean (streams that will join it). Streams that start together
+        count each other: without the front end's count, the first of a burst of eight were
+        advised the pace of one row and stalled at eight's (bench/results/harness/buffer-advice-*).
         """
         now = _gauge(self._metrics, "running_sequences") + _gauge(self._metrics, "queue_depth")
-        return max(1.0, now + (1.0 if joining else 0.0), self._recent_rows)
+        join = 1.0 if joining else 0.0
+        return max(1.0, now + join, open_streams + join, self._recent_rows)
 
-    def advice(self, text: str | None = None, *, joining: bool = False) -> Advice | None:
+    def advice(
+        self, text: str | None = None, *, joining: bool = False, open_streams: int = 0
+    ) -> Advice | None:
         """What a listener of a stream opened now should expect (None: nothing measured yet).
 
         ``text``: the stream's whole text (its length foreseen from it); None for text still
-        to come (incremental) or ``hello``'s server-wide figure.
+        to come (incremental) or ``hello``'s server-wide figure. ``open_streams``: the streams
+        the front end holds that are still generating (the new one among them, once opened).
         """
         if self._clock() - self._sampled_at >= self._sample_every_s:
             self._sampled_at = self._clock()
@@ -272,7 +280,7 @@ class Pace:
         if not self.known:
             return None
         assert self._audio_s_per_token is not None
-        rtf = self.rtf(self.expected_rows(joining=joining))
+        rtf = self.rtf(self.expected_rows(joining=joining, open_streams=open_streams))
         length = None
         if text:
             length = LENGTH_MARGIN * self.audio_s_per_speech_token * speech_tokens(text)

@@ -99,6 +99,10 @@ class StreamRegistry:
         """Streams not yet counted as ended (running, being sent, or waiting for a resume)."""
         return sum(1 for stream in self._streams.values() if not stream.counted)
 
+    def generating(self) -> int:
+        """Streams still generating (each holds or waits for an engine row)."""
+        return sum(1 for stream in self._streams.values() if stream.generating)
+
     def busy(self) -> int:
         """Streams a drain waits for (still generating, or with items left for a live sender)."""
         return sum(1 for stream in self._streams.values() if stream.busy)

@@ -195,6 +195,11 @@ class Stream:
         return state is StreamState.DELIVERED or (state is StreamState.DETACHED and self.outbox.ended)
 
     @property
+    def generating(self) -> bool:
+        """Its generation has not ended and it is not closed: it holds (or waits for) an engine row."""
+        return self._state in (StreamState.ATTACHED, StreamState.DETACHED) and not self.outbox.ended
+
+    @property
     def busy(self) -> bool:
         """A drain waits for it: still generating, or items left for a live sender."""
         live = self._state in (StreamState.ATTACHED, StreamState.DETACHED)

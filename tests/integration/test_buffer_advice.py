@@ -7,6 +7,7 @@ that covers the whole stream, and ``SpeechStream.buffered`` must hold the audio 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -17,7 +18,7 @@ from bench.harness.listener import simulate
 from server.app import App
 from server.engine.fake import SAMPLES_PER_TOKEN
 from tests.integration.conftest import MakeApp, fake_engine
-from tests.wsclient import open_client
+from tests.wsclient import open_client, recv, start
 
 URL = "ws://127.0.0.1:{}/v1/stream"
 #: The fake engine's step once slowed: 0.4 s for a block of 16 tokens (0.34 s of audio), so
@@ -97,3 +98,35 @@ async def test_without_advice_the_client_holds_its_own_buffer(make_app: MakeApp)
     assert stream.buffer_ms is None and stream.expected_rtf is None  # the first stream: no advice
     assert _held_until(chunks, 300).received_at <= first_yield
     assert not chunks[0].last  # the stream is longer than 300 ms: holding it meant something
+
+
+async def test_the_advice_counts_the_streams_this_front_end_is_generating(make_app: MakeApp) -> None:
+    # A burst of starts reaches the front end before the engine core's gauges count it: each
+    # advice is given the streams generating here (the new one among them), and hello one more.
+    app: App = await make_app("--cache-bytes", "0")
+    await app.warmed_up.wait()
+    pace = app.service.pace
+    given: list[int] = []
+    real_advice = pace.advice
+
+    def spy(*args: object, open_streams: int = 0, **kwargs: object) -> object:
+        given.append(open_streams)
+        return real_advice(*args, open_streams=open_streams, **kwargs)  # type: ignore[arg-type]
+
+    pace.advice = spy  # type: ignore[method-assign]
+    fake_engine(app).step_base_s = 0.2  # long enough that no stream ends during the test
+    ws, _ = await open_client(app.port)
+    try:
+        for k in range(3):
+            await start(ws, id=f"s{k}", text="A sentence long enough to still be speaking. " * 4)
+            while not _is_started(await recv(ws)):  # frames of the streams before it, skipped
+                pass
+        other, _ = await open_client(app.port)
+        await other.close()
+    finally:
+        await ws.close()
+    assert given == [0, 1, 2, 3, 3], given  # hello, three starts (each counting itself), a second hello
+
+
+def _is_started(message: str | bytes) -> bool:
+    return isinstance(message, str) and json.loads(message).get("type") == "started"

@@ -88,6 +88,27 @@ def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> 
     assert set(shared.fields()) == {"expected_rtf", "buffer_ms", "buffer_ms_per_s"}
 
 
+def test_streams_the_front_end_holds_count_before_the_engine_gauges_see_them() -> None:
+    # A burst of eight starts: the engine core has not yet counted them (its gauges say one
+    # queued), but the front end holds eight generating. Advised at one row's pace, the
+    # first of the burst stalled once all eight shared the steps.
+    metrics = Metrics()
+    pace = Pace(metrics, sample_every_s=0)
+    step(metrics, rows=4, seconds_per_token_step=1.6 * TOKEN_S)
+    pace.calibrate(["x" * 100], audio_s=10.0)
+    step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)
+    pace.calibrate(["x" * 100], audio_s=10.0)
+    metrics.running_sequences.set(0)
+    metrics.queue_depth.set(1)
+    by_gauges = pace.advice("y" * 50)
+    burst = pace.advice("y" * 50, open_streams=8)
+    assert by_gauges is not None and burst is not None
+    assert burst.expected_rtf == pytest.approx(pace.rtf(8)) and burst.expected_rtf > by_gauges.expected_rtf
+    assert burst.buffer_ms > by_gauges.buffer_ms
+    greeting = pace.advice(joining=True, open_streams=8)  # hello: for a ninth
+    assert greeting is not None and greeting.expected_rtf == pytest.approx(pace.rtf(9))
+
+
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
     metrics = Metrics()
     pace = Pace(metrics, sample_every_s=0)

@@ -111,7 +111,9 @@ class ConnectionProtocol:
 
     def hello(self) -> str:
         """The first message."""
-        advice = self._service.pace.advice(joining=True)  # for one more stream now
+        service = self._service
+        # for one more stream now, beside those this front end is generating
+        advice = service.pace.advice(joining=True, open_streams=service.registry.generating())
         return wire.hello(self._info, self._service.catalog.names(self._owner), advice)
 
     @property
@@ -181,7 +183,9 @@ class ConnectionProtocol:
         except ServiceError as exc:
             raise wire.wire_error(exc, name=msg.id) from None
         attachment = self._attach(stream, lease)
-        advice = service.pace.advice(msg.text or None)  # the start's text: all of it, unless incremental
+        # the start's text: all of it, unless incremental; the streams generating here, this one
+        # among them, share the engine's steps whether or not its gauges count them yet
+        advice = service.pace.advice(msg.text or None, open_streams=service.registry.generating())
         started = wire.started(
             msg.id, attachment.slot, *_audio_of(stream), stream.seed, advice, frame_ms=request.frame_ms
         )
