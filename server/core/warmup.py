@@ -5,9 +5,12 @@ allocator). Then these requests go through the engine client like any
 client's, so batching, the decoder's buffers and the text path are all
 exercised before a load balancer sends the first real request.
 
-They run in two phases, one stream alone and then two together, so that a
-:class:`Calibration` (the server's pace, ``server.streams.pace``) measures the
-engine at one row and at several before the first client asks how much to buffer.
+They run in three phases, one stream alone, then two together, then eight together, so
+that a :class:`Calibration` (the server's pace, ``server.streams.pace``) measures the engine
+at one row and at several before the first client asks how much to buffer. The eight are
+there for a burst: a line through one and two rows foresaw eight rows' steps far too fast on
+a CPU (the decode and the attention grow faster than that), and the first streams of a burst
+of eight, advised by it, stalled (``bench/results/harness/buffer-advice-*``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ WARMUP_TEXTS: tuple[tuple[str, ...], ...] = (
     ("Hello, and welcome to the streaming speech server.", "Let's get started."),
     ("会议在下午三点开始，meeting room B.",),
 )
-#: The phases, by index into ``WARMUP_TEXTS``: English alone, then the other two together.
-PHASES: tuple[tuple[int, ...], ...] = ((1,), (0, 2))
+#: The phases, by index into ``WARMUP_TEXTS``: English alone, then the other two together,
+#: then eight streams together (the three sets in turn).
+PHASES: tuple[tuple[int, ...], ...] = ((1,), (0, 2), (0, 1, 2, 0, 1, 2, 0, 1))
 
 
 class Calibration(Protocol):

@@ -33,7 +33,7 @@ async def test_ready_waits_for_warm_up_through_the_real_path() -> None:
             await app.warmed_up.wait()
         assert (await asyncio.to_thread(get, app.port, "/ready"))[0] == 200
         # Every warm-up text went through the scheduler, each phase's batched together.
-        segments = sum(len(texts) for texts in WARMUP_TEXTS)
+        segments = sum(len(WARMUP_TEXTS[number]) for phase in PHASES for number in phase)
         assert sum(1 for kind, _ in engine.events if kind == "finish") == segments
         assert max(len(step.seq_ids) for step in engine.steps) >= max(len(phase) for phase in PHASES)
     finally:
