@@ -229,6 +229,9 @@ class Pace:
         stream foreseen longer is only advised a larger buffer).
         """
         self.sample(force=True)
+        # A warm-up phase's rows are not traffic a new stream will join: the first client after
+        # a burst phase runs alone.
+        self._recent_rows = 1.0
         units = sum(speech_tokens(text) for text in texts)
         if units > 0 and audio_s > 0:
             measured = audio_s / units

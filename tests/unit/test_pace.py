@@ -109,6 +109,21 @@ def test_streams_the_front_end_holds_count_before_the_engine_gauges_see_them() -
     assert greeting is not None and greeting.expected_rtf == pytest.approx(pace.rtf(9))
 
 
+def test_the_warm_up_s_last_phase_is_not_taken_for_traffic() -> None:
+    # The warm-up ends with eight streams together: a point at eight rows, but the first client
+    # after it runs alone and is advised one row's pace.
+    metrics = Metrics()
+    pace = Pace(metrics, sample_every_s=0)
+    step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)
+    pace.calibrate(["x" * 100], audio_s=10.0)
+    step(metrics, rows=8, seconds_per_token_step=2.0 * TOKEN_S)
+    pace.calibrate(["x" * 100], audio_s=10.0)
+    assert pace.rtf(8) == pytest.approx(RTF_MARGIN * 2.0)
+    metrics.queue_depth.set(1)
+    first = pace.advice("y" * 50, open_streams=1)
+    assert first is not None and first.expected_rtf == pytest.approx(pace.rtf(1))
+
+
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
     metrics = Metrics()
     pace = Pace(metrics, sample_every_s=0)
