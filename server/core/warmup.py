@@ -33,10 +33,12 @@ WARMUP_TEXTS: tuple[tuple[str, ...], ...] = (
     ("你好，欢迎使用实时语音合成服务。", "今天天气很好。"),
     ("Hello, and welcome to the streaming speech server.", "Let's get started."),
     ("会议在下午三点开始，meeting room B.",),
+    ("Let's get started.",),
 )
-#: The phases, by index into ``WARMUP_TEXTS``: English alone, then the other two together,
-#: then eight streams together (the three sets in turn).
-PHASES: tuple[tuple[int, ...], ...] = ((1,), (0, 2), (0, 1, 2, 0, 1, 2, 0, 1))
+#: The phases, by index into ``WARMUP_TEXTS``: English alone, then Chinese and mixed together,
+#: then eight streams of one short sentence together (short: on two CPU cores each second of
+#: this phase is a second before ``/ready``).
+PHASES: tuple[tuple[int, ...], ...] = ((1,), (0, 2), (3,) * 8)
 
 
 class Calibration(Protocol):
