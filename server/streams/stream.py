@@ -19,7 +19,7 @@ encoders are stateful), so the event loop never waits for libopus.
 
 What a stream holds besides its outbox is charged to its client's share of the memory
 budget for as long as it holds it (:mod:`server.streams.budget`): the stream's own objects
-(:data:`STREAM_OVERHEAD_BYTES`, until it is freed), its encoder and resampler (until its last
+(``STREAM_OVERHEAD_BYTES``, until it is freed), its encoder and resampler (until its last
 frame is encoded: the encoder is dropped then, so an ended stream waiting for a resume holds
 none; what ``started``/``resumed`` tell comes from :attr:`Stream.format`,
 :attr:`Stream.sample_rate` and :attr:`Stream.preskip`), and an incremental stream's pending
@@ -42,7 +42,7 @@ from server.core.events import Audio, Ended, SegmentStarted
 from server.core.generation import Generation
 from server.errors import EngineFailed
 from server.metrics import Metrics
-from server.streams.budget import Held
+from server.streams.budget import PENDING_CHAR_BYTES, STREAM_OVERHEAD_BYTES, Held
 from server.streams.incremental import TextFeed
 from server.streams.items import Frame, OutItem
 from server.streams.outbox import BufferOverflow, Outbox
@@ -51,14 +51,6 @@ from server.streams.tokens import new_stream_token as new_stream_token  # re-exp
 from server.streams.tokens import redact as redact
 
 log = logging.getLogger(__name__)
-#: What one stream's own objects cost the memory budget while it is held (the stream, its
-#: outbox, lease, generation, events and registry entries; its items are charged by the outbox).
-#: Measured with tracemalloc over 1000 cancelled streams waiting for a resume (an in-process
-#: server on the fake engine, one WebSocket client, opus at 48 kHz): 5.3 KiB each with their
-#: few items; rounded up to leave room for a stream with words, text or a voice.
-STREAM_OVERHEAD_BYTES = 8 * 1024
-#: Bytes per character of pending text an incremental stream is charged (its bound, at UCS-4).
-PENDING_CHAR_BYTES = 4
 
 
 class StreamState(enum.Enum):

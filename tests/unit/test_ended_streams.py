@@ -14,10 +14,10 @@ from server.audio.footprint import encoder_state_bytes
 from server.core.events import Audio, Ended
 from server.core.generation import Generation
 from server.metrics import Metrics
-from server.streams.budget import MemoryBudget
+from server.streams.budget import STREAM_OVERHEAD_BYTES, MemoryBudget
 from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
-from server.streams.stream import STREAM_OVERHEAD_BYTES, Lease, Stream, StreamState
+from server.streams.stream import Lease, Stream, StreamState
 
 
 class NoControl:
