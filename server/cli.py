@@ -78,10 +78,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.frontend_processes < 1:
         print("chattts-stream: --frontend-processes must be 1 or more", file=sys.stderr)
         return 2
+    if not 0 <= settings.frontend_nice <= 19:
+        print("chattts-stream: --frontend-nice must be 0 to 19", file=sys.stderr)
+        return 2
     if settings.frontend_processes > 1:
         from server.supervisor import supervise
 
         return supervise(settings, list(sys.argv[1:] if argv is None else argv))
+    if settings.engine_socket and settings.frontend_nice:
+        # A front-end child of the supervisor: lower its priority before any thread starts, so
+        # that every thread it will have (event loop, encoder pool, torch's) inherits it.
+        os.nice(settings.frontend_nice)
     import uvloop
 
     from server.app import App

@@ -34,7 +34,8 @@ GROUPS: tuple[FlagGroup, ...] = (
         "Model and engine",
         "which weights, on which device, in which precision, and how the token step runs",
         "engine model_dir dev_model verify_weights cache_dir device profile dtype quantize vocoder_dtype "
-        "compile_step cuda_graphs warmup engine_process frontend_processes engine_socket sibling_ports",
+        "compile_step cuda_graphs warmup engine_process frontend_processes frontend_nice engine_socket "
+        "sibling_ports",
     ),
     _group(
         "CPU threads",

@@ -8,7 +8,10 @@ connections over them) and reach the engine through ``--engine-socket``. It:
 
 - binds the ports first (a busy port fails the start at once, and ``--port 0`` becomes one
   port all children share), and holds them (bound, never listening) until it ends;
-- starts the engine process, waits for its engine to load, then starts the children;
+- starts the engine process, waits for its engine to load, then starts the children, each at
+  a lower CPU priority (``--frontend-nice``, applied by the child before any thread starts): on
+  a machine whose cores the front ends keep busy, the engine's host work still wins a core
+  when it wakes, so the front ends' load does not slow every stream's steps;
 - stops everything with exit status 2 when a child's start fails (exit status 2: the flags
   fail every child the same way, e.g. an unreadable ``--api-keys-file``);
 - restarts a child that dies otherwise (its clients reconnect to the others meanwhile);

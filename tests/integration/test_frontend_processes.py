@@ -5,7 +5,8 @@ engine. Which child serves a connection is read from the kernel (the child holdi
 server's end of that TCP connection). Connections spread over both children and every
 stream is byte-equal to the one-process form's; ``/metrics`` on either counts both; a child
 killed with SIGKILL is started again and serves; SIGTERM drains both, exits 0 and leaves no
-process. (A resume on the other child: test_frontend_resume.py.)
+process; the children run at a lower CPU priority than the engine process. (A resume on the
+other child: test_frontend_resume.py.)
 """
 
 from __future__ import annotations
@@ -236,6 +237,29 @@ async def test_an_engine_process_that_dies_makes_the_children_not_ready_until_it
     await ws.close()
 
 
+def thread_nice(pid: int) -> set[int]:
+    """The nice values of every thread of ``pid`` (Linux: a thread's priority is its own)."""
+    values = set()
+    for thread in psutil.Process(pid).threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            values.add(os.getpriority(os.PRIO_PROCESS, thread.id))
+    return values
+
+
+async def test_the_children_run_at_a_lower_cpu_priority_than_the_engine_process(served: Served) -> None:
+    # So that the engine's host work wins a core from front ends that keep every core busy
+    # (bench/results/studies/frontend-nice-<hw>.md). Every thread of a child, the encoder
+    # pool's and the event loop's alike, is lowered; the engine process keeps ours.
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    ws, _ = await open_client(served.port)  # the children's threads are running
+    await start(ws, id="s", text=TEXT, seed=1, format="opus")
+    assert (await collect(ws, {"s"}))["s"].done is not None
+    await ws.close()
+    assert thread_nice(served.engine_host()) == {ours}
+    for pid in served.front_ends():
+        assert thread_nice(pid) == {min(19, ours + 10)}
+
+
 async def finished(proc: asyncio.subprocess.Process) -> str:
     """Its stderr once it exits (within the deadline; killed with its children when it does not)."""
     try:
@@ -270,6 +294,8 @@ def _value(text: str, name: str) -> float:
     ("flags", "message"),
     [
         (("--frontend-processes", "0"), "--frontend-processes must be 1 or more"),
+        (("--frontend-processes", "2", "--frontend-nice", "20"), "--frontend-nice must be 0 to 19"),
+        (("--frontend-nice", "-1"), "--frontend-nice must be 0 to 19"),
     ],
 )
 async def test_a_form_that_cannot_run_fails_the_start_with_one_line(
