@@ -14,7 +14,7 @@ other processes on the machine hits both alike.
 
 Usage::
 
-    python -m bench.studies.frontend_nice [--rounds 3] [--streams 32] [--seconds 6] \\
+    python -m bench.studies.frontend_nice [--rounds 3] [--nice 0,10] [--streams 32] [--seconds 6] \\
         [--out bench/results/studies/frontend-nice-<hw>]
 """
 
@@ -37,8 +37,12 @@ from tests.serverproc import free_port, spawn_server, wait_ready
 
 #: The listeners' nice value in both forms (see the module docstring).
 LISTENER_NICE = 10
-#: The forms: the front ends' nice increment.
-FORMS = {"--frontend-nice 0": "0", "--frontend-nice 10 (default)": "10"}
+#: The default of ``--frontend-nice`` (the form that says "(default)").
+DEFAULT_NICE = "10"
+
+
+def form_name(nice: str) -> str:
+    return f"--frontend-nice {nice}" + (" (default)" if nice == DEFAULT_NICE else "")
 
 
 def totals(port: int) -> dict[str, float]:
@@ -107,9 +111,11 @@ async def run_form(nice: str, streams: int, seconds: float) -> dict[str, dict[st
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {form: [] for form in FORMS}
+    nices = args.nice.split(",")
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {form_name(nice): [] for nice in nices}
     for _ in range(args.rounds):
-        for form, nice in FORMS.items():
+        for nice in nices:
+            form = form_name(nice)
             runs[form].append(await run_form(nice, args.streams, args.seconds))
             print(form, json.dumps(runs[form][-1]), flush=True)
     return {"runs": runs}
@@ -143,6 +149,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0, help="each measure's listeners run this long")
+    parser.add_argument("--nice", default=f"0,{DEFAULT_NICE}", help="the forms' --frontend-nice values")
     parser.add_argument("--listen", type=int, default=0, help="internal: be the listeners on this port")
     parser.add_argument("--out", default=str(result_stem("studies", "frontend-nice")))
     args = parser.parse_args()
