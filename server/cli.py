@@ -55,6 +55,28 @@ def _role(settings: Settings) -> str:
     return f"front-end {os.getpid()} " if settings.engine_socket else ""
 
 
+#: ``--frontend-priority lower``: the front-end children's nice increment over the engine's.
+LOWER_NICE = 10
+
+
+def _lower_priority(choice: str) -> None:
+    """This process's CPU priority below the engine process's (``--frontend-priority``).
+
+    Called before any thread starts: Linux keeps a priority per thread, and every thread this
+    process will have (event loop, encoder pool, torch's) inherits it from the main thread.
+    ``idle`` is ``SCHED_IDLE``: the scheduler runs these threads only on a core nothing else
+    wants, and a waking engine thread preempts them at once, where a nice value still lets the
+    running thread finish its slice (``bench/results/studies/frontend-priority-<hw>.md``).
+    """
+    if choice in ("lower", "auto"):  # auto: the supervisor resolves it; a child started by hand
+        os.nice(LOWER_NICE)
+    elif choice == "idle":
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:  # not Linux: the lowest nice value is the nearest there is
+            os.nice(19)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``chattts-stream`` console script."""
     args = _parser().parse_args(argv)
@@ -78,17 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.frontend_processes < 1:
         print("chattts-stream: --frontend-processes must be 1 or more", file=sys.stderr)
         return 2
-    if not 0 <= settings.frontend_nice <= 19:
-        print("chattts-stream: --frontend-nice must be 0 to 19", file=sys.stderr)
-        return 2
     if settings.frontend_processes > 1:
         from server.supervisor import supervise
 
         return supervise(settings, list(sys.argv[1:] if argv is None else argv))
-    if settings.engine_socket and settings.frontend_nice:
-        # A front-end child of the supervisor: lower its priority before any thread starts, so
-        # that every thread it will have (event loop, encoder pool, torch's) inherits it.
-        os.nice(settings.frontend_nice)
+    if settings.engine_socket:  # a front-end child of the supervisor
+        _lower_priority(settings.frontend_priority)
     import uvloop
 
     from server.app import App

@@ -34,7 +34,7 @@ GROUPS: tuple[FlagGroup, ...] = (
         "Model and engine",
         "which weights, on which device, in which precision, and how the token step runs",
         "engine model_dir dev_model verify_weights cache_dir device profile dtype quantize vocoder_dtype "
-        "compile_step cuda_graphs warmup engine_process frontend_processes frontend_nice engine_socket "
+        "compile_step cuda_graphs warmup engine_process frontend_processes frontend_priority engine_socket "
         "sibling_ports",
     ),
     _group(

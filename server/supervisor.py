@@ -9,9 +9,10 @@ connections over them) and reach the engine through ``--engine-socket``. It:
 - binds the ports first (a busy port fails the start at once, and ``--port 0`` becomes one
   port all children share), and holds them (bound, never listening) until it ends;
 - starts the engine process, waits for its engine to load, then starts the children, each at
-  a lower CPU priority (``--frontend-nice``, applied by the child before any thread starts): on
-  a machine whose cores the front ends keep busy, the engine's host work still wins a core
-  when it wakes, so the front ends' load does not slow every stream's steps;
+  a lower CPU priority (``--frontend-priority``, resolved here from the loaded engine's device
+  by :func:`frontend_priority`, applied by the child before any thread starts): on a machine
+  whose cores the front ends keep busy, the engine's host work still wins a core when it
+  wakes, so the front ends' load does not slow every stream's steps;
 - stops everything with exit status 2 when a child's start fails (exit status 2: the flags
   fail every child the same way, e.g. an unreadable ``--api-keys-file``);
 - restarts a child that dies otherwise (its clients reconnect to the others meanwhile);
@@ -68,6 +69,7 @@ from server.config import Settings
 from server.core.client import EngineClient
 from server.core.factory import build_engine_factory, policy_config
 from server.core.remote.link import Backoff, ProcessLink, child_environment
+from server.engine_api import EngineInfo
 from server.errors import StartupError
 from server.metrics import MULTIPROC_VARIABLE, Metrics
 from server.sockets import bind_socket
@@ -103,6 +105,7 @@ class Supervisor:
         self._stopping = False
         self._stop: asyncio.Event | None = None
         self._failed_start = False  # a child's start failed: its flags fail every child
+        self._priority = "lower"  # the children's --frontend-priority, resolved once the engine loaded
 
     async def run(self) -> int:
         """Start everything, serve until SIGTERM/SIGINT, drain; the exit status.
@@ -130,10 +133,12 @@ class Supervisor:
                 build_engine_factory(s), config=policy_config(s), metrics=Metrics(), link=link
             )
             await engine.start()
+            self._priority = frontend_priority(s.frontend_priority, engine.info)
             log.info(
-                "front ends on ports ws=%d http=%d wyoming=%d: %d processes",
+                "front ends on ports ws=%d http=%d wyoming=%d: %d processes, CPU priority %s",
                 *ports,
                 s.frontend_processes,
+                self._priority,
             )
             keepers = [
                 asyncio.create_task(self._keep(slot, ports), name=f"front-end-{slot}")
@@ -229,12 +234,26 @@ class Supervisor:
         env = child_environment(**{MULTIPROC_VARIABLE: str(self._metrics_dir)})
         flags = ["--port", str(ws), "--http-port", str(http), "--wyoming-port", str(wyoming)]
         flags += ["--frontend-processes", "1", "--engine-socket", self._socket_path]
+        flags += ["--frontend-priority", self._priority]
         own = self._sibling_ports[slot]
         siblings = [own, *(port for port in self._sibling_ports if port != own)]
         flags += ["--sibling-ports", ",".join(map(str, siblings)), *self._secret_flags]
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server", *self._argv, *flags, env=env
         )
+
+
+def frontend_priority(choice: str, info: EngineInfo) -> str:
+    """The children's ``--frontend-priority``: ``auto`` resolved by where the model runs.
+
+    ``idle`` (``SCHED_IDLE``) keeps the engine's pace best (``bench/results/studies/
+    frontend-priority-<hw>.md``) but gives the children only the cores the engine leaves: where
+    the model itself runs on the CPU its threads want every core, and the children take
+    ``lower`` (nice 10) instead. An engine that names no device (the fake one) runs no model here.
+    """
+    if choice != "auto":
+        return choice
+    return "lower" if info.extra.get("device", "").startswith("cpu") else "idle"
 
 
 def supervise(settings: Settings, argv: list[str]) -> int:

@@ -196,11 +196,13 @@ class Settings:
         "ends use N cores; 1: one process; 2+: implies --engine-process; "
         "per-client limits then hold per process",
     )
-    frontend_nice: int = _opt(
-        10,
-        "with --frontend-processes 2+: how much lower the front-end processes' CPU priority is than "
-        "the engine process's (a nice increment, 0-19), so the engine's host work wins a core "
-        "when it wakes; 0: the same priority",
+    frontend_priority: str = _opt(
+        "auto",
+        "with --frontend-processes 2+: the front-end processes' CPU priority against the engine "
+        "process's, so that the engine's host work wins a core when it wakes: idle (SCHED_IDLE: "
+        "they run on what the engine leaves), lower (nice 10), same; auto: lower where the model "
+        "runs on the CPU (its threads want every core), else idle",
+        choices=("auto", "idle", "lower", "same"),
     )
     engine_socket: str = _opt(
         "", "internal (set by --frontend-processes for its children): the engine process's Unix socket"

@@ -25,6 +25,9 @@ import psutil
 import pytest
 from websockets.asyncio.client import ClientConnection
 
+from server.cli import LOWER_NICE
+from server.engine_api import EngineInfo
+from server.supervisor import frontend_priority
 from tests.integration.conftest import MakeApp
 from tests.integration.test_engine_process import children_of, gone
 from tests.serverproc import free_port, spawn_server, wait_ready
@@ -237,6 +240,15 @@ async def test_an_engine_process_that_dies_makes_the_children_not_ready_until_it
     await ws.close()
 
 
+def thread_policy(pid: int) -> set[int]:
+    """The scheduling policies of every thread of ``pid``."""
+    values = set()
+    for thread in psutil.Process(pid).threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            values.add(os.sched_getscheduler(thread.id))
+    return values
+
+
 def thread_nice(pid: int) -> set[int]:
     """The nice values of every thread of ``pid`` (Linux: a thread's priority is its own)."""
     values = set()
@@ -246,18 +258,44 @@ def thread_nice(pid: int) -> set[int]:
     return values
 
 
-async def test_the_children_run_at_a_lower_cpu_priority_than_the_engine_process(served: Served) -> None:
-    # So that the engine's host work wins a core from front ends that keep every core busy
-    # (bench/results/studies/frontend-nice-<hw>.md). Every thread of a child, the encoder
-    # pool's and the event loop's alike, is lowered; the engine process keeps ours.
-    ours = os.getpriority(os.PRIO_PROCESS, 0)
-    ws, _ = await open_client(served.port)  # the children's threads are running
+async def busy_children(served: Served) -> None:
+    """One Opus stream on a child, so that its threads (event loop, encoder pool) are running."""
+    ws, _ = await open_client(served.port)
     await start(ws, id="s", text=TEXT, seed=1, format="opus")
     assert (await collect(ws, {"s"}))["s"].done is not None
     await ws.close()
-    assert thread_nice(served.engine_host()) == {ours}
+
+
+async def test_the_children_run_only_on_what_the_engine_process_leaves(served: Served) -> None:
+    # So that the engine's host work wins a core from front ends that keep every core busy
+    # (bench/results/studies/frontend-priority-<hw>.md): the default (auto) for an engine whose
+    # model is not on the CPU. Every thread of a child, the encoder pool's and the event
+    # loop's alike; the engine process keeps ours.
+    await busy_children(served)
+    assert thread_policy(served.engine_host()) == {os.sched_getscheduler(0)}
     for pid in served.front_ends():
-        assert thread_nice(pid) == {min(19, ours + 10)}
+        assert thread_policy(pid) == {os.SCHED_IDLE}
+
+
+async def test_lower_children_run_ten_nice_steps_below_the_engine_process() -> None:
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    async with serve("--frontend-priority", "lower") as served:
+        await busy_children(served)
+        assert thread_nice(served.engine_host()) == {ours}
+        for pid in served.front_ends():
+            assert thread_nice(pid) == {min(19, ours + LOWER_NICE)}
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "children"),
+    [("auto", "cpu", "lower"), ("auto", "cuda:0", "idle"), ("auto", None, "idle"), ("same", "cuda", "same")],
+)
+def test_auto_picks_the_children_s_priority_by_where_the_model_runs(
+    choice: str, device: str | None, children: str
+) -> None:
+    # A model on the CPU wants every core for its own threads: idle children would get none.
+    info = EngineInfo(name="x", extra={} if device is None else {"device": device})
+    assert frontend_priority(choice, info) == children
 
 
 async def finished(proc: asyncio.subprocess.Process) -> str:
@@ -294,8 +332,7 @@ def _value(text: str, name: str) -> float:
     ("flags", "message"),
     [
         (("--frontend-processes", "0"), "--frontend-processes must be 1 or more"),
-        (("--frontend-processes", "2", "--frontend-nice", "20"), "--frontend-nice must be 0 to 19"),
-        (("--frontend-nice", "-1"), "--frontend-nice must be 0 to 19"),
+        (("--frontend-processes", "2", "--frontend-priority", "high"), "--frontend-priority: invalid choice"),
     ],
 )
 async def test_a_form_that_cannot_run_fails_the_start_with_one_line(

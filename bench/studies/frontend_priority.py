@@ -2,8 +2,9 @@
 
 ``--frontend-processes 2`` on the fake engine with its host work in Python (the engine-pace
 study's engine: 5 ms of device time and 2 ms of Python host work a step, in four quanta), at
-``--frontend-nice 0`` (the engine's priority) and at the default. Opus listeners in a process
-of their own (``--listen``, run at nice 10 in both forms: they stand in for clients on other
+each ``--frontend-priority``: ``same`` (the engine's), ``lower`` (nice 10) and
+``idle`` (``SCHED_IDLE``, what the default ``auto`` picks for this engine). Opus listeners in a process
+of their own (``--listen``, run at nice 10 in every form: they stand in for clients on other
 machines, and must not take the engine's core themselves) keep both front ends busy, back to
 back. The engine's pace is its quanta per step-second (four quanta a step over the steps'
 wall time, read from ``/metrics``, which includes any wait for a core): quiet (one listener)
@@ -14,8 +15,8 @@ other processes on the machine hits both alike.
 
 Usage::
 
-    python -m bench.studies.frontend_nice [--rounds 3] [--nice 0,10] [--streams 32] [--seconds 6] \\
-        [--out bench/results/studies/frontend-nice-<hw>]
+    python -m bench.studies.frontend_priority [--rounds 3] [--priorities same,lower,idle] \\
+        [--streams 32] [--seconds 6] [--out bench/results/studies/frontend-priority-<hw>]
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ from bench.harness.machine import describe_machine, result_stem
 from bench.studies.engine_pace import COUNT, ENGINE, STEPS, listener
 from tests.serverproc import free_port, spawn_server, wait_ready
 
-#: The listeners' nice value in both forms (see the module docstring).
+#: The listeners' nice value in every form (see the module docstring).
 LISTENER_NICE = 10
-#: The default of ``--frontend-nice`` (the form that says "(default)").
-DEFAULT_NICE = "10"
+#: The default of ``--frontend-priority`` (the form that says "(default)").
+DEFAULT_PRIORITY = "idle"  # what auto is for this engine (no model on the CPU)
 
 
-def form_name(nice: str) -> str:
-    return f"--frontend-nice {nice}" + (" (default)" if nice == DEFAULT_NICE else "")
+def form_name(priority: str) -> str:
+    return f"--frontend-priority {priority}" + (" (default)" if priority == DEFAULT_PRIORITY else "")
 
 
 def totals(port: int) -> dict[str, float]:
@@ -69,7 +70,7 @@ async def listen(port: int, streams: int, seconds: float) -> int:
 async def measure(port: int, streams: int, seconds: float) -> dict[str, float]:
     """Listeners for ``seconds``; the engine's quanta per step-second over their last part."""
     clients = await asyncio.create_subprocess_exec(
-        "nice", "-n", str(LISTENER_NICE), sys.executable, "-m", "bench.studies.frontend_nice",
+        "nice", "-n", str(LISTENER_NICE), sys.executable, "-m", "bench.studies.frontend_priority",
         "--listen", str(port), "--streams", str(streams), "--seconds", str(seconds),
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -88,12 +89,12 @@ async def measure(port: int, streams: int, seconds: float) -> dict[str, float]:
     return {"quanta_per_step_s": quanta / step_s if step_s else float("nan"), "frames": int(out)}
 
 
-async def run_form(nice: str, streams: int, seconds: float) -> dict[str, dict[str, float]]:
+async def run_form(priority: str, streams: int, seconds: float) -> dict[str, dict[str, float]]:
     port = free_port()
     voices = Path(tempfile.gettempdir()) / f"chattts-nice-voices-{uuid.uuid4().hex}"
     flags = [*ENGINE, "--port", str(port), "--voices-dir", str(voices), "--max-batch", "64"]
     proc = await spawn_server(
-        *flags, "--frontend-processes", "2", "--frontend-nice", nice, env=dict(os.environ)
+        *flags, "--frontend-processes", "2", "--frontend-priority", priority, env=dict(os.environ)
     )
     try:
         await wait_ready(port, proc)
@@ -111,12 +112,12 @@ async def run_form(nice: str, streams: int, seconds: float) -> dict[str, dict[st
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
-    nices = args.nice.split(",")
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {form_name(nice): [] for nice in nices}
+    priorities = args.priorities.split(",")
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {form_name(p): [] for p in priorities}
     for _ in range(args.rounds):
-        for nice in nices:
-            form = form_name(nice)
-            runs[form].append(await run_form(nice, args.streams, args.seconds))
+        for priority in priorities:
+            form = form_name(priority)
+            runs[form].append(await run_form(priority, args.streams, args.seconds))
             print(form, json.dumps(runs[form][-1]), flush=True)
     return {"runs": runs}
 
@@ -124,7 +125,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
 def report(results: dict[str, object], args: argparse.Namespace, command: str) -> str:
     runs: dict[str, list[dict[str, dict[str, float]]]] = results["runs"]  # type: ignore[assignment]
     lines = [
-        "# The engine's pace under two busy front-end processes, by their CPU priority",
+        "# The engine's pace under busy front-end processes, by their CPU priority (`--frontend-priority`)",
         "",
         f"`{command}`; fake engine with Python host work, `--frontend-processes 2`; {args.streams} "
         f"Opus listeners (nice {LISTENER_NICE}) back to back; {args.seconds - 2.0:.0f} s measured a "
@@ -149,9 +150,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0, help="each measure's listeners run this long")
-    parser.add_argument("--nice", default=f"0,{DEFAULT_NICE}", help="the forms' --frontend-nice values")
+    parser.add_argument("--priorities", default="same,lower,idle", help="the forms' --frontend-priority")
     parser.add_argument("--listen", type=int, default=0, help="internal: be the listeners on this port")
-    parser.add_argument("--out", default=str(result_stem("studies", "frontend-nice")))
+    parser.add_argument("--out", default=str(result_stem("studies", "frontend-priority")))
     args = parser.parse_args()
     import uvloop
 
@@ -159,7 +160,7 @@ def main() -> None:
         print(uvloop.run(listen(args.listen, args.streams, args.seconds)))
         return
     results = uvloop.run(main_async(args))
-    command = "python -m bench.studies.frontend_nice " + " ".join(sys.argv[1:])
+    command = "python -m bench.studies.frontend_priority " + " ".join(sys.argv[1:])
     out = Path(args.out)
     out.with_suffix(".json").write_text(
         json.dumps({"command": command, "machine": describe_machine(), **results}, indent=1) + "\n"
