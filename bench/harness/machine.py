@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -97,6 +98,15 @@ def result_stem(folder: str, question: str = "") -> Path:
     """``bench/results/<folder>/<question>-<hardware>`` (no suffix): where a rerun here overwrites."""
     name = f"{question}-{hardware_name()}" if question else hardware_name()
     return RESULTS_DIR / folder / name
+
+
+def write_result(stem: Path, command: str, results: dict[str, Any], markdown: str) -> None:
+    """``stem``.json (the command, this machine, the results) and ``stem``.md; prints the markdown."""
+    stem.with_suffix(".json").write_text(
+        json.dumps({"command": command, "machine": describe_machine(), **results}, indent=1) + "\n"
+    )
+    stem.with_suffix(".md").write_text(markdown)
+    print(markdown)
 
 
 def describe_machine() -> dict[str, Any]:

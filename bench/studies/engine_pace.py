@@ -31,7 +31,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.harness.machine import describe_machine, result_stem
+from bench.harness.machine import result_stem, write_result
 from server.app import App
 from server.config import load_settings
 from tests.wsclient import open_client, recv, start
@@ -185,12 +185,7 @@ def main() -> None:
 
     results = uvloop.run(main_async(args))
     command = "python -m bench.studies.engine_pace " + " ".join(sys.argv[1:])
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": describe_machine(), **results}, indent=1) + "\n"
-    )
-    out.with_suffix(".md").write_text(report(results, args, command))
-    print(out.with_suffix(".md").read_text())
+    write_result(Path(args.out), command, results, report(results, args, command))
 
 
 if __name__ == "__main__":

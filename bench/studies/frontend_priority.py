@@ -32,7 +32,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from bench.harness.machine import describe_machine, result_stem
+from bench.harness.machine import result_stem, write_result
 from bench.studies.engine_pace import COUNT, ENGINE, STEPS, listener
 from tests.serverproc import free_port, spawn_server, wait_ready
 
@@ -161,12 +161,7 @@ def main() -> None:
         return
     results = uvloop.run(main_async(args))
     command = "python -m bench.studies.frontend_priority " + " ".join(sys.argv[1:])
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": describe_machine(), **results}, indent=1) + "\n"
-    )
-    out.with_suffix(".md").write_text(report(results, args, command))
-    print(out.with_suffix(".md").read_text())
+    write_result(Path(args.out), command, results, report(results, args, command))
 
 
 if __name__ == "__main__":
