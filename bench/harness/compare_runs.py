@@ -4,7 +4,8 @@ Used for A/B runs of server forms taken interleaved on one machine (one process 
 ``--frontend-processes 2``): ``python -m bench.harness.compare_runs NAME=PATH.json ...``
 prints a Markdown table, one row per run and scenario, and with ``--json OUT`` writes the
 numbers it read. "Cores used" is the server's CPU seconds (its child processes included:
-``servers.process_cpu_s``) over the scenario's wall seconds.
+``servers.process_cpu_s``) over the scenario's wall seconds; "client cores" the load client's
+(runs before it was recorded show "-").
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def rows(name: str, run: dict[str, Any]) -> list[dict[str, Any]]:
                 "underrun_streams_300ms": listener["streams_with_underruns"],
                 "audio_s_per_cpu_s": throughput["audio_s_per_cpu_s"],
                 "cores_used": throughput["cpu_s"] / throughput["wall_s"],
+                "client_cores": throughput.get("client_cores"),
                 "audio_s_per_wall_s": throughput["steady_audio_s_per_wall_s"],
                 "ttfa_p99_s": summary["ttfa_s"]["p99"],
                 "loadavg_1m_after": scenario["loadavg_1m_after"],
@@ -45,14 +47,16 @@ def table(found: list[dict[str, Any]]) -> str:
     """The Markdown table of :func:`rows`."""
     lines = [
         "| run | scenario | streams | errors | streams under-run at 300 ms | audio-s per server CPU-s "
-        "| cores used | audio-s per wall-s | first audio p99 (s) | load avg after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cores used | client cores | audio-s per wall-s | first audio p99 (s) | load avg after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in found:
         errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "none"
+        client = "-" if r["client_cores"] is None else f"{r['client_cores']:.2f}"
         lines.append(
             f"| {r['run']} | {r['scenario']} | {r['streams']} | {errors} | {r['underrun_streams_300ms']} "
-            f"| {r['audio_s_per_cpu_s']:.1f} | {r['cores_used']:.2f} | {r['audio_s_per_wall_s']:.1f} "
+            f"| {r['audio_s_per_cpu_s']:.1f} | {r['cores_used']:.2f} | {client} "
+            f"| {r['audio_s_per_wall_s']:.1f} "
             f"| {r['ttfa_p99_s']:.2f} | {r['loadavg_1m_after']:.1f} |"
         )
     return "\n".join(lines)

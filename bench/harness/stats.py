@@ -39,6 +39,7 @@ def summarize(
     t_stop: float,
     t_end: float,
     cpu_s: float | None = None,
+    client_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """The scenario's overall numbers.
 
@@ -49,6 +50,8 @@ def summarize(
     flight), so the drain at the end does not dilute it.
     ``audio_s_per_cpu_s`` divides by the CPU seconds the system under test
     used, when known (a server the harness started, or an in-process run).
+    ``client_cores`` is the load client's own CPU seconds (this process, every thread) over
+    the run: near one, the client (one Python process) and not the server may be the limit.
     """
     errors: Counter[str] = Counter(code for r in records for code in r.errors)
     total_audio = sum(m["audio_s"] for m in metrics)
@@ -102,5 +105,7 @@ def summarize(
             "steady_audio_s_per_wall_s": audio_in_window(records, t_start, t_stop) / window,
             "cpu_s": cpu_s,
             "audio_s_per_cpu_s": (total_audio / cpu_s) if cpu_s else None,
+            "client_cpu_s": client_cpu_s,
+            "client_cores": client_cpu_s / wall if client_cpu_s is not None else None,
         },
     }

@@ -75,6 +75,7 @@ def test_smoke_writes_complete_sane_results(tmp_path: Path) -> None:
         throughput = summary["throughput"]
         assert throughput["audio_s_per_wall_s"] > 0 and throughput["steady_audio_s_per_wall_s"] > 0
         assert throughput["cpu_s"] is not None and throughput["cpu_s"] > 0  # the harness started the server
+        assert throughput["client_cpu_s"] > 0 and throughput["client_cores"] > 0  # and ran the client
         assert [x["threshold_ms"] for x in summary["listener"]] == [100.0, 300.0]
         for stream in scenario["streams"]:
             assert set(stream) == STREAM_KEYS
