@@ -202,8 +202,15 @@ class Harness:
     ) -> dict[str, Any]:
         """Turn records into metrics and a summary; keep it for the results."""
         metrics = [stream_metrics(r, self.jitter_ms, self.advice_floor_ms) for r in records]
-        times = {"t_start": run.t_start, "t_stop": run.t_stop, "t_end": run.t_end}
-        summary = summarize(records, metrics, **times, cpu_s=cpu_s, client_cpu_s=client_cpu_s)
+        summary = summarize(
+            records,
+            metrics,
+            t_start=run.t_start,
+            t_stop=run.t_stop,
+            t_end=run.t_end,
+            cpu_s=cpu_s,
+            client_cpu_s=client_cpu_s,
+        )
         streams = [{k: _round(v) for k, v in m.items() if k != "gaps_s"} for m in metrics]
         scenario = {
             "system": system,
@@ -288,9 +295,11 @@ class Harness:
 
         variant = self.formats.index(fmt) if fmt in self.formats else 0
         spec = dataclasses.replace(spec, seed_base=seed_base(self.args.seed, spec.label, variant))
-        cpu0, client0 = (server.cpu_s() if server else None), time.process_time()
+        cpu0 = server.cpu_s() if server else None
+        client0 = time.process_time()  # the load client's own CPU: this process, every thread
         run = await run_load(self.texts, spec, runner)
-        cpu1, client = (server.cpu_s() if server else None), time.process_time() - client0
+        client = time.process_time() - client0
+        cpu1 = server.cpu_s() if server else None
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         self.add_scenario(system, spec, fmt, run.records, run, cpu, client)
         await asyncio.sleep(self.args.settle_s)  # let the server settle between scenarios

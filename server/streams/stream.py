@@ -194,8 +194,7 @@ class Stream:
     @property
     def busy(self) -> bool:
         """A drain waits for it: still generating, or items left for a live sender."""
-        live = self._state in (StreamState.ATTACHED, StreamState.DETACHED)
-        return live and (not self.outbox.ended or self._state is StreamState.ATTACHED)
+        return self.generating or self._state is StreamState.ATTACHED
 
     def attach(self, lease: Lease) -> None:
         """``lease`` sends the stream from now on; a previous sender's lease is revoked."""

@@ -56,17 +56,25 @@ def step(metrics: Metrics, rows: int, seconds_per_token_step: float, blocks: int
         metrics.audio_seconds.inc(rows * BLOCK * TOKEN_S)
 
 
+def calibrated(
+    *points: tuple[int, float], text: str = "x" * 100, audio_s: float = 10.0
+) -> tuple[Metrics, Pace]:
+    """A pace calibrated as a warm-up does: per phase, its steps at ``(rows, token-step in TOKEN_S)``."""
+    metrics = Metrics()
+    pace = Pace(metrics, sample_every_s=0)
+    for rows, token_steps in points:
+        step(metrics, rows=rows, seconds_per_token_step=token_steps * TOKEN_S)
+        pace.calibrate([text], audio_s=audio_s)
+    return metrics, pace
+
+
 def test_nothing_measured_no_advice() -> None:
     assert Pace(Metrics()).advice("some text") is None
 
 
 def test_the_advice_follows_the_measured_steps_and_the_rows_a_stream_joins() -> None:
-    metrics = Metrics()
-    pace = Pace(metrics, sample_every_s=0)
-    step(metrics, rows=4, seconds_per_token_step=1.6 * TOKEN_S)
-    pace.calibrate(["x" * 100], audio_s=10.0)
-    step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)  # the last window: one row
-    pace.calibrate(["x" * 100], audio_s=10.0)  # 0.1 s of audio a letter (12 speech tokens)
+    # The last window: one row; 0.1 s of audio a letter (12 speech tokens).
+    metrics, pace = calibrated((4, 1.6), (1, 0.8))
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 0.8)
     assert pace.rtf(4) == pytest.approx(RTF_MARGIN * 1.6)
     assert pace.rtf(8) > pace.rtf(4)  # beyond the points: the line's slope, never flat or faster
@@ -92,12 +100,7 @@ def test_streams_the_front_end_holds_count_before_the_engine_gauges_see_them() -
     # A burst of eight starts: the engine core has not yet counted them (its gauges say one
     # queued), but the front end holds eight generating. Advised at one row's pace, the
     # first of the burst stalled once all eight shared the steps.
-    metrics = Metrics()
-    pace = Pace(metrics, sample_every_s=0)
-    step(metrics, rows=4, seconds_per_token_step=1.6 * TOKEN_S)
-    pace.calibrate(["x" * 100], audio_s=10.0)
-    step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)
-    pace.calibrate(["x" * 100], audio_s=10.0)
+    metrics, pace = calibrated((4, 1.6), (1, 0.8))
     metrics.running_sequences.set(0)
     metrics.queue_depth.set(1)
     by_gauges = pace.advice("y" * 50)
@@ -112,12 +115,7 @@ def test_streams_the_front_end_holds_count_before_the_engine_gauges_see_them() -
 def test_the_warm_up_s_last_phase_is_not_taken_for_traffic() -> None:
     # The warm-up ends with eight streams together: a point at eight rows, but the first client
     # after it runs alone and is advised one row's pace.
-    metrics = Metrics()
-    pace = Pace(metrics, sample_every_s=0)
-    step(metrics, rows=1, seconds_per_token_step=0.8 * TOKEN_S)
-    pace.calibrate(["x" * 100], audio_s=10.0)
-    step(metrics, rows=8, seconds_per_token_step=2.0 * TOKEN_S)
-    pace.calibrate(["x" * 100], audio_s=10.0)
+    metrics, pace = calibrated((1, 0.8), (8, 2.0))
     assert pace.rtf(8) == pytest.approx(RTF_MARGIN * 2.0)
     metrics.queue_depth.set(1)
     first = pace.advice("y" * 50, open_streams=1)
@@ -125,12 +123,7 @@ def test_the_warm_up_s_last_phase_is_not_taken_for_traffic() -> None:
 
 
 def test_a_machine_that_slows_down_is_followed_at_the_next_window() -> None:
-    metrics = Metrics()
-    pace = Pace(metrics, sample_every_s=0)
-    step(metrics, rows=2, seconds_per_token_step=0.5 * TOKEN_S)
-    pace.calibrate(["x"], 0.1)
-    step(metrics, rows=1, seconds_per_token_step=0.5 * TOKEN_S)
-    pace.calibrate(["x"], 0.1)
+    metrics, pace = calibrated((2, 0.5), (1, 0.5), text="x", audio_s=0.1)
     assert pace.rtf(1) == pytest.approx(RTF_MARGIN * 0.5)
     step(metrics, rows=1, seconds_per_token_step=2.0 * TOKEN_S)  # a neighbour took the CPU
     assert pace.advice() is not None  # an advice reads the new window

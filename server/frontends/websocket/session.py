@@ -114,7 +114,7 @@ class ConnectionProtocol:
         service = self._service
         # for one more stream now, beside those this front end is generating
         advice = service.pace.advice(joining=True, open_streams=service.registry.generating())
-        return wire.hello(self._info, self._service.catalog.names(self._owner), advice)
+        return wire.hello(self._info, service.catalog.names(self._owner), advice)
 
     @property
     def attached(self) -> dict[str, Attachment]:
