@@ -8,9 +8,9 @@ ever adds time, and every round is kept with the load average after it):
 
 * ``floor``: one bf16 matrix product reading as many weights as the GPT has (190 M for
   ChatTTS), plain and oneDNN-packed, the faster one: what reading the weights once costs;
-* ``floor-int8`` (where PyTorch has FBGEMM): one w8a8 product (FBGEMM's int8 × int8, the
-  ``--quantize w8a8`` step's kernel) reading as many int8 weights: the floor of the w8a8 step,
-  which reads half the bytes of a bf16 one;
+* ``floor-int8``: one w8a8 product reading as many int8 weights, FBGEMM's int8 × int8 and this
+  project's VNNI kernel (where each runs), the faster one: the floor of the w8a8 step, which
+  reads half the bytes of a bf16 one;
 * ``products-<form>``: the GPT's 140 projections one by one, each form the step can use
   (``dense``: ``F.linear`` on bf16, what the step ran before issue #23; ``onednn-bf16``:
   prepacked; ``int8``: weight-only int8; ``w8a8``: int8 weights times per-row int8
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.harness.engine_bench import timed
+from server.engine.chattts.step import w8a8_vnni
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
 from server.engine.chattts.step.w8a8 import cpu_has_vnni, quantized_engine_available
 
@@ -147,28 +148,40 @@ def floor(weights: int, batch: int, hidden: int) -> dict[str, Callable[[], None]
     return {"plain": lambda: F.linear(x, w), "packed": lambda: packed(x)}
 
 
-def int8_floor(weights: int, hidden: int) -> Callable[[int], Callable[[], torch.Tensor]] | None:
-    """One w8a8 product over ``weights`` int8 parameters, for a batch: ``floor(batch)`` (None without FBGEMM).
+def int8_floor(weights: int, hidden: int) -> dict[str, Callable[[int], Callable[[], torch.Tensor]]]:
+    """One w8a8 product over ``weights`` int8 parameters by kernel: ``{"fbgemm": floor(batch), ...}``.
 
-    FBGEMM's dynamic int8 product as :class:`~server.engine.chattts.step.w8a8.W8A8Linear` calls it
-    (per-channel int8 weights, each call quantizing its float32 rows), over one matrix packed
-    once: the same weight bytes as the GPT's, read once per call.
+    ``fbgemm``: FBGEMM's dynamic int8 product as :class:`~server.engine.chattts.step.w8a8.W8A8Linear`
+    calls it (per-channel int8 weights, each call quantizing its float32 rows); ``vnni``: this
+    project's kernel (:mod:`server.engine.chattts.step.w8a8_vnni`), where the CPU has
+    AVX512-VNNI. Each over one matrix packed once: the same weight bytes as the GPT's, read
+    once per call. The floor is the faster of the two, as the bf16 floor is the faster of its
+    two forms. Empty where neither runs.
     """
-    if not quantized_engine_available():
-        return None
     rows = weights // hidden
-    w = torch.randn(rows, hidden)
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
-    q = torch.quantize_per_channel(w, scale, torch.zeros(rows, dtype=torch.long), 0, torch.qint8)
-    packed = torch.ops.quantized.linear_prepack(q, None)
-    del w, q
-    reduce_range = not cpu_has_vnni()
+    kernels: dict[str, Callable[[int], Callable[[], torch.Tensor]]] = {}
+    if quantized_engine_available():
+        w = torch.randn(rows, hidden)
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
+        q = torch.quantize_per_channel(w, scale, torch.zeros(rows, dtype=torch.long), 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(q, None)
+        del w, q
+        reduce_range = not cpu_has_vnni()
 
-    def for_batch(batch: int) -> Callable[[], torch.Tensor]:
-        x = torch.randn(batch, hidden)
-        return lambda: torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+        def fbgemm(batch: int) -> Callable[[], torch.Tensor]:
+            x = torch.randn(batch, hidden)
+            return lambda: torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
 
-    return for_batch
+        kernels["fbgemm"] = fbgemm
+    if w8a8_vnni.available():
+        vnni_module = w8a8_vnni.VnniLinear(torch.randn(rows, hidden))
+
+        def vnni(batch: int) -> Callable[[], torch.Tensor]:
+            x = torch.randn(batch, hidden)
+            return lambda: vnni_module(x)
+
+        kernels["vnni"] = vnni
+    return kernels
 
 
 class Split:
@@ -381,8 +394,8 @@ def main() -> int:
                 cases: dict[str, Callable[[], Any]] = {}
                 fl = floor(weights, batch, int(config.hidden_size))
                 cases["floor-plain"], cases["floor-packed"] = fl["plain"], fl["packed"]
-                if int8 is not None:
-                    cases["floor-int8"] = int8(batch)
+                for kernel, for_batch in int8.items():
+                    cases[f"floor-int8-{kernel}"] = for_batch(batch)
                 for form in FORMS:
                     cases[f"products-{form}"] = forms.products(form, batch)
                 cases["transformers"] = transformers.token(batch, length)

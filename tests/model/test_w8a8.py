@@ -11,6 +11,8 @@
   a row is still the same alone or in any batch, and the compiled step gives the eager w8a8
   step's tokens with rows joining and leaving
   (``test_step_forms.test_the_compiled_step_gives_the_same_tokens_as_the_eager_step``);
+* where the CPU has AVX512-VNNI the products are this project's kernel instead
+  (``test_w8a8_vnni.py``); the engine's stream is then as batch-independent;
 * it is refused where it cannot run (off the CPU); the server with it streams and says so
   (``test_step_forms.test_a_quantized_server_streams_and_says_so``).
 """
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 from server.engine.chattts.options import EngineOptions
-from server.engine.chattts.step import linear, w8a8
+from server.engine.chattts.step import linear, w8a8, w8a8_vnni
 from server.engine.chattts.step.w8a8 import (
     GroupMember,
     W8A8Group,
@@ -33,6 +35,7 @@ from server.engine.chattts.step.w8a8 import (
     grouped_modules,
     quantized_engine_available,
 )
+from server.engine.chattts.step.w8a8_vnni import VnniLinear
 from server.engine_api import SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, step_until_finished
 
@@ -120,7 +123,7 @@ def test_a_layer_is_four_products() -> None:
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     modules = grouped_modules({n: _weight(64, 64) for n in names})
     groups = {id(m.group) for m in modules.values() if isinstance(m, GroupMember)}
-    assert len(groups) == 2 and isinstance(modules["o_proj"], W8A8Linear)
+    assert len(groups) == 2 and isinstance(modules["o_proj"], (W8A8Linear, VnniLinear))
     assert modules["q_proj"].group is modules["v_proj"].group is not modules["up_proj"].group
 
 
@@ -152,7 +155,8 @@ def test_a_streams_tokens_do_not_depend_on_the_batch(tiny_model_dir: Path) -> No
     )
     try:
         assert engine.info.extra["projections"] == "w8a8"
-        assert isinstance(engine._llama.layers[0].mlp.down_proj, W8A8Linear)
+        kernel = VnniLinear if w8a8_vnni.available() else W8A8Linear
+        assert isinstance(engine._llama.layers[0].mlp.down_proj, kernel)
         assert isinstance(engine._llama.layers[0].self_attn.k_proj, GroupMember)
         alone = _codes(engine, [_near_greedy(0, "A sentence spoken alone first.", 7)])[0]
         others = [_near_greedy(i, f"Another, much louder speaker number {i}!", 50 + i) for i in (2, 3, 4)]

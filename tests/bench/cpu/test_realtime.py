@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from server.engine.chattts.step import w8a8_vnni
 from tests.bench.runner import run_ok
 
 pytestmark = pytest.mark.model
@@ -32,7 +33,8 @@ def test_cpu_realtime_writes_step_rows_and_a_server_scenario(tiny_model_dir: Pat
     rows = result["step"]["rows"]
     for name in (
         "floor-plain",
-        "floor-int8",  # the w8a8 step's floor (FBGEMM: products-w8a8 below needs it too)
+        "floor-int8-fbgemm",  # the w8a8 step's floor (FBGEMM: products-w8a8 below needs it too)
+        *(["floor-int8-vnni"] if w8a8_vnni.available() else []),  # and the VNNI kernel's
         "products-dense",
         "products-onednn-bf16",
         "products-int8",

@@ -35,3 +35,12 @@ def test_the_margin_is_the_defaults_step_where_the_run_has_it() -> None:
     both = _step(**{"step-compiled-w8a8": 9.0, "step-compiled-w8a8-ahead": 13.0, "floor-int8": 8.0})
     [(_, numbers, met)] = _margin(both)
     assert numbers.startswith("13.00 / 8.00 ms") and met is False
+
+
+def test_the_int8_floor_is_the_faster_of_its_kernels() -> None:
+    """FBGEMM and the VNNI kernel each read the int8 weights once; the floor is the faster (as bf16's is)."""
+    both = _step(**{"step-compiled-w8a8-ahead": 9.0, "floor-int8-fbgemm": 8.0, "floor-int8-vnni": 6.0})
+    [(_, numbers, met)] = _margin(both)
+    assert numbers.startswith("9.00 / 6.00 ms = 1.50×") and met is True
+    [(_, numbers, _)] = _margin(_step(**{"step-compiled-w8a8-ahead": 9.0, "floor-int8-fbgemm": 6.0}))
+    assert numbers.startswith("9.00 / 6.00 ms")  # a CPU without VNNI: FBGEMM's alone

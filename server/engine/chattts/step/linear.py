@@ -28,6 +28,7 @@ ChatTTS).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
+from server.engine.chattts.step import w8a8_vnni
 from server.engine.chattts.step.w8a8 import grouped_modules, quantized_engine_available
+
+log = logging.getLogger(__name__)
 
 #: Above this many rows a product dequantizes the int8 weight instead of calling
 #: ``_weight_int8pack_mm``, whose cost grows with the rows (a matrix-vector kernel: 4x a
@@ -154,6 +158,8 @@ def prepare_projections(
             raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
         _replace_layers(layers, w8a8_layer)  # from the loaded (float32) weights, before the cast
         llama.to(dtype=dtype)
+        kernel = "this project's VNNI kernel" if w8a8_vnni.available() else "FBGEMM"
+        log.info("w8a8 products: %s", kernel)
         return "w8a8"
     if quantize == "int8":  # from the loaded (float32) weights, before the cast
         _replace(layers, Int8Linear)

@@ -40,6 +40,11 @@ The whole step then took 14.3 / 21.0 / 29.2 ms at batch 1 / 4 / 8, against 24.2 
 eager (``git show 6ad7ebf:bench/results/cpu_realtime_epyc_3d46d1e.md``; today's run on the same
 kind of CPU: ``bench/results/cpu/epyc-2core.md``).
 
+Where the CPU has AVX512-VNNI, :func:`w8a8_product` takes this project's own kernel instead of
+FBGEMM (:mod:`.w8a8_vnni`: the same per-row and per-channel quantization, each row quantized
+inside the kernel, the weights read once in a layout made for VNNI); the grouping above is
+the same for both.
+
 It changes tokens, so it is an opt-in like ``int8`` (docs/operations.md, "Run on a CPU", says
 what it costs in code agreement with float32). It runs on the CPU only, where PyTorch has FBGEMM
 (x86-64); the server refuses it elsewhere at start-up.
@@ -56,6 +61,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from server.engine.chattts.step import w8a8_vnni
 
 
 def quantized_engine_available() -> bool:
@@ -175,11 +182,16 @@ class W8A8Group:
     Args:
         weights: the members' ``(out_i, in)`` weights, in member order.
         reduce_range: as :class:`W8A8Linear`'s.
+        kernel: as :func:`w8a8_product`'s.
     """
 
-    def __init__(self, weights: Sequence[torch.Tensor], *, reduce_range: bool | None = None) -> None:
+    def __init__(
+        self, weights: Sequence[torch.Tensor], *, reduce_range: bool | None = None, kernel: str = "auto"
+    ) -> None:
         self.sizes = [int(w.shape[0]) for w in weights]
-        self.product = W8A8Linear(torch.cat([w.detach() for w in weights]), reduce_range=reduce_range)
+        self.product = w8a8_product(
+            torch.cat([w.detach() for w in weights]), reduce_range=reduce_range, kernel=kernel
+        )
         self._input: torch.Tensor | None = None
         self._version = -1
         self._parts: list[torch.Tensor | None] = [None] * len(self.sizes)
@@ -233,13 +245,31 @@ SHARED_INPUTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj",
 ALONE = ("o_proj", "down_proj")
 
 
-def grouped_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, nn.Module]:
+#: The product's kernels: ``vnni`` (:mod:`.w8a8_vnni`, where the CPU has AVX512-VNNI), ``fbgemm``.
+KERNELS = ("auto", "vnni", "fbgemm")
+
+
+def w8a8_product(
+    weight: torch.Tensor, *, reduce_range: bool | None = None, kernel: str = "auto"
+) -> W8A8Linear | w8a8_vnni.VnniLinear:
+    """One w8a8 product of ``(out, in)`` weights: the VNNI kernel where it runs (``auto``), else FBGEMM.
+
+    ``reduce_range`` applies to FBGEMM only (the VNNI kernel's byte products never saturate).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"w8a8 kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "vnni" or (kernel == "auto" and reduce_range is None and w8a8_vnni.available()):
+        return w8a8_vnni.VnniLinear(weight)
+    return W8A8Linear(weight, reduce_range=reduce_range)
+
+
+def grouped_modules(weights: Mapping[str, torch.Tensor], kernel: str = "auto") -> dict[str, nn.Module]:
     """The seven projections as modules by name (``q_proj`` … ``down_proj``) from their weights."""
     modules: dict[str, nn.Module] = {}
     with torch.no_grad():
         for names in SHARED_INPUTS.values():
-            group = W8A8Group([weights[name] for name in names])
+            group = W8A8Group([weights[name] for name in names], kernel=kernel)
             modules.update({name: GroupMember(group, member) for member, name in enumerate(names)})
         for name in ALONE:
-            modules[name] = W8A8Linear(weights[name])
+            modules[name] = w8a8_product(weights[name], kernel=kernel)
     return modules
