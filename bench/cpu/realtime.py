@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step-compiled",
         default="",
-        help="the step part also times the compiled step: bf16, int8, w8a8, w8a8-ahead",
+        help="the step part also times the compiled step: bf16, int8, w8a8, w8a8-ahead, w8a8-fbgemm-ahead",
     )
     p.add_argument("--out", type=Path, default=result_stem("cpu"))
     return p

@@ -40,6 +40,7 @@ STEP_ROWS = (
     ("step-compiled-int8", "our whole token step, `--compile-step on --quantize int8` (timed after)"),
     ("step-compiled-w8a8", "our whole token step, `--compile-step on --quantize w8a8` (timed after)"),
     ("step-compiled-w8a8-ahead", "our whole token step, `--compile-step ahead --quantize w8a8`, the default"),
+    ("step-compiled-w8a8-fbgemm-ahead", "the same, FBGEMM's products (the default before the VNNI kernel)"),
 )
 #: The projection forms :mod:`bench.cpu.step` measures the step with.
 STEP_FORMS = ("dense", "onednn-bf16", "int8", "w8a8")

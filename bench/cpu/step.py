@@ -27,7 +27,8 @@ ever adds time, and every round is kept with the load average after it):
 * with ``--compiled-step FORMS`` (``bf16``, ``int8``, ``w8a8``, ``w8a8-ahead``): ``step-compiled``,
   ``step-compiled-int8`` and ``step-compiled-w8a8``, the engine's own ``--compile-step on``
   runner (with that ``--quantize`` for the last two), and ``step-compiled-w8a8-ahead``, the
-  default's ``--compile-step ahead`` (graphs built ahead of time, unfrozen), each on a fresh load of the model
+  default's ``--compile-step ahead`` (graphs built ahead of time, unfrozen; ``w8a8-fbgemm-ahead``: the same
+  with FBGEMM's products where the VNNI kernel would run), each on a fresh load of the model
   after the other rows (the runner freezes the weights it was compiled with, so it cannot
   share the forms' layers),
   compiled at these batches and this length, timed over the same number of rounds, with
@@ -44,9 +45,10 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -303,16 +305,34 @@ def compiled_step(
     """The engine's compiled token step (``--compile-step on``) on a fresh load of the model.
 
     ``quantize``: ``bf16`` (none), ``int8``, ``w8a8`` or ``w8a8-ahead`` (built ahead of time, as
-    ``--compile-step ahead``). Returns the row name and, per ``name@batch``, the
+    ``--compile-step ahead``), ``w8a8-fbgemm-ahead`` (the same with FBGEMM's products where the
+    VNNI kernel would run: the default before it). Returns the row name and, per ``name@batch``, the
     wall and CPU ms of every round (plus ``compile_s``: the runner's ``prepare`` at these shapes).
     """
     name = "step-compiled" if quantize == "bf16" else f"step-compiled-{quantize}"
-    form, _, ahead = quantize.partition("-")
+    form, *rest = quantize.split("-")
+    fbgemm = mock.patch.object(w8a8_vnni, "available", lambda: False) if "fbgemm" in rest else nullcontext()
+    with fbgemm:  # the products are chosen at load, the compile key's kernel when the runner is prepared
+        timing = _time_compiled(model_dir, name, form, "ahead" in rest, batches, length, rounds, iterations)
+    return name, timing
+
+
+def _time_compiled(
+    model_dir: Path,
+    name: str,
+    form: str,
+    ahead: bool,
+    batches: list[int],
+    length: int,
+    rounds: int,
+    iterations: int,
+) -> dict[str, Any]:
+    """One compiled form's timings (:func:`compiled_step`), the engine loaded and closed here."""
     engine = bf16_cpu_engine(
         model_dir,
         max_batch=max(batches),
         compile_step=True,
-        compile_ahead=ahead == "ahead",
+        compile_ahead=ahead,
         quantize="none" if form == "bf16" else form,
     )
     batch_runner = engine._batch
@@ -332,7 +352,7 @@ def compiled_step(
                 entry["cpu_ms"].append(cpu)
             print(f"[cpu_step] {name} round {r}: load {os.getloadavg()[0]:.1f}", flush=True)
     engine.close()
-    return name, timing
+    return timing
 
 
 def main() -> int:
@@ -348,7 +368,8 @@ def main() -> int:
     p.add_argument(
         "--compiled-step",
         default="",
-        help="comma-separated: bf16, int8, w8a8 (--compile-step on), w8a8-ahead (--compile-step ahead)",
+        help="comma-separated: bf16, int8, w8a8 (--compile-step on), w8a8-ahead (--compile-step ahead), "
+        "w8a8-fbgemm-ahead (FBGEMM's products)",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

@@ -20,10 +20,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+from server.engine.chattts.step import w8a8_vnni
 from server.engine.chattts.step.compile_cache import (
     MANIFEST,
     CompileCache,
@@ -34,7 +36,7 @@ from server.engine.chattts.step.compile_cache import (
     step_code_digest,
     step_facts,
 )
-from server.engine.chattts.step.w8a8 import quantized_engine_available
+from server.engine.chattts.step.w8a8 import quantized_engine_available, w8a8_kernel
 from tests.model.helpers import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,6 +129,11 @@ def test_the_engine_facts_name_the_step_code_and_transformers(tiny_model_dir: Pa
     facts = step_facts(model_dir=tiny_model_dir, dtype=torch.bfloat16, quantize="w8a8")
     assert facts["step_code"] == step_code_digest() and facts["step_code"].startswith("sha256:")
     assert facts["transformers"] == transformers.__version__
+    assert facts["w8a8_kernel"] == w8a8_kernel()  # each kernel's graph calls its own operator
+    with mock.patch.object(w8a8_vnni, "available", lambda: False):  # a CPU where the kernel did not build
+        fbgemm = step_facts(model_dir=tiny_model_dir, dtype=torch.bfloat16, quantize="w8a8")
+    assert fbgemm["w8a8_kernel"] == "fbgemm"
+    assert "w8a8_kernel" not in step_facts(model_dir=tiny_model_dir, dtype=torch.bfloat16, quantize="none")
 
 
 def _sealed(cache: CompileCache, facts: dict[str, str], *, at: Path | None = None) -> Path:

@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from server.engine.chattts.step.w8a8 import w8a8_kernel
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -110,9 +112,12 @@ def step_code_digest(package: Path = STEP_PACKAGE) -> str:
 def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[str, str]:
     """The key's facts for one engine: the machine's, the GPT's weights, the step's form and code.
 
+    For w8a8 the form includes the products' kernel (:func:`~.w8a8.w8a8_kernel`): a CPU with
+    AVX512-VNNI where this process could not build the kernel uses FBGEMM under the same other facts.
+
     The bucket shapes are added by the runner, which knows them (:meth:`CompiledRunner.prepare`).
     """
-    return {
+    facts = {
         **machine_facts(),
         "model": model_digest(model_dir),
         "dtype": str(dtype).removeprefix("torch."),
@@ -120,6 +125,9 @@ def step_facts(*, model_dir: Path, dtype: torch.dtype, quantize: str) -> dict[st
         "transformers": transformers.__version__,
         "step_code": step_code_digest(),
     }
+    if quantize == "w8a8":  # a graph calls one kernel's operator on that kernel's weights
+        facts["w8a8_kernel"] = w8a8_kernel()
+    return facts
 
 
 def compile_key(facts: Mapping[str, str]) -> str:

@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
-from server.engine.chattts.step import w8a8_vnni
-from server.engine.chattts.step.w8a8 import grouped_modules, quantized_engine_available
+from server.engine.chattts.step.w8a8 import grouped_modules, quantized_engine_available, w8a8_kernel
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +157,7 @@ def prepare_projections(
             raise ValueError("--quantize w8a8 runs on an x86-64 CPU only (FBGEMM); use int8 or none here")
         _replace_layers(layers, w8a8_layer)  # from the loaded (float32) weights, before the cast
         llama.to(dtype=dtype)
-        kernel = "this project's VNNI kernel" if w8a8_vnni.available() else "FBGEMM"
-        log.info("w8a8 products: %s", kernel)
+        log.info("w8a8 products: %s", "this project's VNNI kernel" if w8a8_kernel() == "vnni" else "FBGEMM")
         return "w8a8"
     if quantize == "int8":  # from the loaded (float32) weights, before the cast
         _replace(layers, Int8Linear)

@@ -249,6 +249,11 @@ ALONE = ("o_proj", "down_proj")
 KERNELS = ("auto", "vnni", "fbgemm")
 
 
+def w8a8_kernel() -> str:
+    """The kernel :func:`w8a8_product` takes by default in this process: ``vnni`` or ``fbgemm``."""
+    return "vnni" if w8a8_vnni.available() else "fbgemm"
+
+
 def w8a8_product(
     weight: torch.Tensor, *, reduce_range: bool | None = None, kernel: str = "auto"
 ) -> W8A8Linear | w8a8_vnni.VnniLinear:
@@ -258,7 +263,7 @@ def w8a8_product(
     """
     if kernel not in KERNELS:
         raise ValueError(f"w8a8 kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "vnni" or (kernel == "auto" and reduce_range is None and w8a8_vnni.available()):
+    if kernel == "vnni" or (kernel == "auto" and reduce_range is None and w8a8_kernel() == "vnni"):
         return w8a8_vnni.VnniLinear(weight)
     return W8A8Linear(weight, reduce_range=reduce_range)
 
