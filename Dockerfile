@@ -110,8 +110,8 @@ COPY . .
 # installs the system libraries (libopus0) in this image.
 RUN TORCH_SPEC="${TORCH_SPEC}" scripts/setup.sh && rm -rf /var/lib/apt/lists/*
 # The server's default CPU step (--profile realtime) is compiled: inductor builds the token
-# step's kernels with a C++ compiler, and the step's C++ attention
-# (server/engine/chattts/step/csrc) is built with ninja from the venv against the base's
+# step's kernels with a C++ compiler, and the step's C++ operators (attention; the w8a8 products
+# on AVX512-VNNI: server/engine/chattts/step/csrc) are built with ninja from the venv against the base's
 # Python headers. Without g++ the server would step eagerly (TOKEN STEP FALLBACK). The server
 # keeps both in its cache dir, /models/compiled (the weights volume), keyed by torch, CPU,
 # model and step form, so a restart reuses what was compiled (minutes on two cores the first
