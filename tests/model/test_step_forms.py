@@ -25,7 +25,7 @@ import torch
 from server.app import App
 from server.config import load_settings
 from server.engine.chattts.options import EngineOptions
-from server.engine.chattts.step import linear
+from server.engine.chattts.step import int8, linear
 from server.engine.chattts.step.w8a8 import quantized_engine_available
 from server.engine_api import SequenceRequest, SynthesisParams
 from tests.model.helpers import TEST_DEVICE, run_to_end, step_until_finished
@@ -117,7 +117,7 @@ def test_bf16_on_the_cpu_packs_the_projections_once(tiny_model_dir: Path) -> Non
 def test_int8_weights_are_close_to_the_float_weights() -> None:
     torch.manual_seed(0)
     weight = torch.randn(48, 32) * torch.linspace(0.01, 3.0, 48).unsqueeze(1)  # channels of any scale
-    q, scale = linear.quantize_int8(weight)
+    q, scale = int8.quantize_int8(weight)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     error = (q.float() * scale.unsqueeze(1) - weight).abs().amax(dim=1)
     assert torch.all(error <= scale / 2 + 1e-6)  # rounding, per channel

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from server.engine.chattts.step import cpu
 from server.engine.chattts.step.w8a8 import w8a8_kernel
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,10 @@ _NOT_ARTIFACTS = {"locks", MANIFEST, f"{MANIFEST}.tmp"}
 
 def cpu_flags(cpuinfo: str | None = None) -> str:
     """The CPU's instruction-set flags that matter to generated code, sorted, space-separated."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:  # not Linux: the machine's name stands for its features
-            return platform.machine()
-    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
-    flags = line.partition(":")[2].split()
-    return " ".join(sorted({f for f in flags if f.startswith(CPU_FLAG_PREFIXES)}))
+    found = cpu.flags() if cpuinfo is None else cpu.parse_flags(cpuinfo)
+    if found is None:  # not Linux: the machine's name stands for its features
+        return platform.machine()
+    return " ".join(sorted(f for f in found if f.startswith(CPU_FLAG_PREFIXES)))
 
 
 def file_digest(path: Path) -> str:

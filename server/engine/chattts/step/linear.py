@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.engine.chattts.options import QUANTIZE_CHOICES
+from server.engine.chattts.step.int8 import quantize_int8
 from server.engine.chattts.step.w8a8 import grouped_modules, quantized_engine_available, w8a8_kernel
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,6 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         """What ``print(module)`` shows."""
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn-packed"
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``(q (out, in) int8, scale (out,) float32)``, ``w ≈ q · scale``."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
 
 
 class Int8Linear(nn.Module):

@@ -57,12 +57,11 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from server.engine.chattts.step import w8a8_vnni
+from server.engine.chattts.step import cpu, w8a8_vnni
 
 
 def quantized_engine_available() -> bool:
@@ -79,15 +78,12 @@ def cpu_has_vnni() -> bool:
     Without it FBGEMM's u8·s8 instructions add pairs of products in 16 bits, which saturates
     unless activations use 7 bits (``reduce_range``); with it the full 8 bits are safe.
     """
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:  # not Linux: the safe 7 bits
-        return False
-    return " avx512_vnni" in flags or " avx_vnni" in flags
+    flags = cpu.flags() or frozenset()  # not Linux: the safe 7 bits
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 def _per_channel_int8(weight: torch.Tensor) -> torch.Tensor:
-    """The symmetric per-output-channel qint8 tensor FBGEMM packs (the same rounding as ``quantize_int8``)."""
+    """The symmetric per-output-channel qint8 tensor FBGEMM packs (the rounding of ``int8.quantize_int8``)."""
     w = weight.detach().float().cpu()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
     zero_points = torch.zeros(w.shape[0], dtype=torch.long)

@@ -25,7 +25,6 @@ server keeps FBGEMM. It is built like the decode attention
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from pathlib import Path
@@ -34,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.chattts.step import decode_attention
+from server.engine.chattts.step import cpu, decode_attention
+from server.engine.chattts.step.int8 import quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,9 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
-@functools.cache
 def cpu_has_avx512_vnni() -> bool:
     """Whether the CPU has AVX512-VNNI (and with it AVX512-BW), which the kernel is written for."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return False
-    return " avx512_vnni" in flags and " avx512bw" in flags
+    return {"avx512_vnni", "avx512bw"} <= (cpu.flags() or frozenset())
 
 
 def load() -> bool:
@@ -86,14 +81,13 @@ def _register_fake() -> None:
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's weights from ``(out, in)`` float ones: ``(packed, colsum, scale)``.
 
-    Each output channel is quantized symmetrically on its own scale (largest magnitude / 127,
-    the rounding of :func:`~.w8a8._per_channel_int8`), then padded with zero weights to whole
-    groups of 64 channels and whole fours of inputs, and laid out as the kernel reads it.
+    Each output channel is quantized symmetrically on its own scale
+    (:func:`~.int8.quantize_int8`, the rounding FBGEMM's weights get too), then padded with
+    zero weights to whole groups of 64 channels and whole fours of inputs, and laid out as the
+    kernel reads it.
     """
-    w = weight.detach().float().cpu()
-    out_features, in_features = w.shape
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    q, scale = quantize_int8(weight.detach().cpu())
+    out_features, in_features = q.shape
     colsum = q.sum(dim=1, dtype=torch.int32)
     rows, inputs = -(-out_features // GROUP) * GROUP, -(-in_features // 4) * 4
     padded = torch.zeros(rows, inputs, dtype=torch.int8)
