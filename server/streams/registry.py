@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from server.config import Settings
 from server.streams.budget import MemoryBudget
-from server.streams.stream import Stream, StreamState
+from server.streams.lifecycle import StreamState
+from server.streams.stream import Stream
 
 
 class StreamRegistry:

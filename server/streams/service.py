@@ -1,56 +1,43 @@
 """The stream-level API every front end shares: admit, open, find, resume, regenerate, sweep.
 
-:class:`SpeechService` checks a :class:`SpeechRequest` (:mod:`server.streams.checks`), splits
-its text, builds the stream (encoder, outbox, generation, text input) complete and registers
-it. A front end then pulls the stream's items (:meth:`Stream.deliver`); the stream owns its
-end and tells the registry when it is freed. Errors are domain errors (``server.errors``).
+:class:`SpeechService` admits a :class:`SpeechRequest` (draining, rate limits), has its
+:class:`~server.streams.builder.StreamBuilder` check it and build the stream (encoder, outbox,
+generation, text input) complete, registers it and runs it. A front end then pulls the
+stream's items (:meth:`Stream.deliver`); the stream owns its end and tells the registry when
+it is freed. Errors are domain errors (``server.errors``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from server.audio.base import FrameEncoder
 from server.config import Settings
 from server.core.client import EngineClient
-from server.core.generation import GenerateRequest, Generation
 from server.errors import Draining, RateLimited, UnknownStream
 from server.metrics import Metrics
 from server.streams.budget import MemoryBudget
-from server.streams.cache import ResponseCache, cache_key
-from server.streams.checks import PromptBudget, params_with_voice, speakable_segments, stream_encoder
+from server.streams.builder import StreamBuilder
+from server.streams.cache import ResponseCache
 from server.streams.failover import Regeneration, ResumePoint
 from server.streams.failover import plan as plan_regeneration
-from server.streams.incremental import TextFeed, open_feed
+from server.streams.lifecycle import Lease, StreamState
 from server.streams.limits import ClientLimiter
-from server.streams.outbox import Outbox
 from server.streams.pace import Pace
 from server.streams.registry import StreamRegistry
 from server.streams.request import SpeechRequest
-from server.streams.routing import Claims, Router, request_digest
-from server.streams.stream import Lease, Stream, StreamState, new_stream_token, redact
-from server.streams.timing import SegmentWords
+from server.streams.routing import Claims, Router
+from server.streams.stream import Stream
+from server.streams.tokens import redact
 from server.voices.catalog import VoiceCatalog, canonical
-from server.voices.library import StoredVoice, VoiceLibrary
+from server.voices.library import VoiceLibrary
 
 log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class _Who:
-    """Whose stream is being opened: the client, its share of the memory budget, its voice."""
-
-    client: str
-    charge: Callable[[int], None]
-    voice: StoredVoice | None
 
 
 class SpeechService:
@@ -67,7 +54,6 @@ class SpeechService:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self._clock = clock
         self.registry = StreamRegistry.for_settings(settings, clock)
         #: Everything buffered for clients; past ``--memory-budget-bytes`` streams are freed.
         self.budget = MemoryBudget(settings.memory_budget_bytes, self.free_over_budget)
@@ -90,6 +76,17 @@ class SpeechService:
         self.pace = Pace(metrics)
         #: Signs tokens with their owner (set once the engine is loaded, with a shared secret).
         self.router: Router | None = None
+        self._builder = StreamBuilder(
+            settings,
+            engine,
+            metrics,
+            registry=self.registry,
+            budget=self.budget,
+            catalog=self.catalog,
+            cache=self.cache,
+            pool=self._pool,
+            clock=clock,
+        )
 
     # --- admission -------------------------------------------------------------------------
 
@@ -144,129 +141,23 @@ class SpeechService:
         self.check_accepting()
         if client is not None and (wait_ms := self.limiter.wait_ms(client)):
             raise RateLimited("too many streams started; slow down", retry_after_ms=wait_ms)
-        cacheable = request.seed is not None and regeneration is None
-        if request.seed is None and resumable:  # reported in `started`; never a cache key
-            request = dataclasses.replace(request, seed=secrets.randbits(63))
-        voice, stored = self.catalog.resolve(request.voice, owner)  # OpenAI's names → seeds
-        request = dataclasses.replace(request, voice=voice)
-        encoder = self._encoder_for(request)
-        s = self.settings
-        who = _Who(client or "", self.budget.charger(client or ""), stored)
-        outbox = Outbox(
-            sample_rate=encoder.sample_rate,
-            max_unsent_s=s.max_buffered_s,
-            replay_max_s=s.replay_max_s,
-            replay_max_bytes=s.replay_max_bytes,
-            charge=who.charge,
-        )
-        generation: Generation | None
-        text_feed: TextFeed | None = None
-        on_complete: Callable[[Stream], None] | None = None
-        if regeneration is not None:
-            regeneration.prepare(encoder, outbox)
-        if request.incremental:
-            generation, text_feed = self._start_incremental(request, who)
-        else:
-            first = 0 if regeneration is None else regeneration.first_segment
-            generation, on_complete = self._start_whole(request, outbox, who, first, cacheable)
-        if token is None:
-            token = (
-                new_stream_token(route) if self.router is None else self.router.mint(request, route, owner)
-            )
-        stream = Stream(
-            name=request.name,
-            token=token,
-            encoder=encoder,
-            outbox=outbox,
-            lease=lease,
-            metrics=self.metrics,
-            pool=self._pool,
-            generation=generation,
-            text=text_feed,
-            words=SegmentWords() if request.word_timestamps else None,
+        stream, generating = self._builder.build(
+            request,
+            lease,
+            router=self.router,
+            route=route,
             resumable=resumable,
-            ttl_s=self.registry.ttl_s,
-            on_complete=on_complete,
-            on_freed=self.registry.remove,
-            on_linger=self.registry.linger,
-            clock=self._clock,
+            client=client,
             owner=owner,
-            client=who.client,
-            seed=request.seed,
+            regeneration=regeneration,
+            token=token,
         )
         self.registry.add(stream)
         if client is not None:
             self.limiter.take(client)
-        if generation is not None:
+        if generating:
             self._own(asyncio.create_task(stream.run(), name=f"stream-{redact(stream.token)}"))
         return stream
-
-    def _start_whole(
-        self, request: SpeechRequest, outbox: Outbox, who: _Who, first: int = 0, cacheable: bool = True
-    ) -> tuple[Generation | None, Callable[[Stream], None] | None]:
-        """Generate the text from segment ``first`` on, or fill ``outbox`` from the cache (no generation)."""
-        segments = self._segments(request)
-        cache, key = (self.cache if cacheable else None), None
-        if cache is not None:
-            digest = who.voice.sample.digest if who.voice is not None else ""
-            key = cache_key(request, segments, self._engine_identity, digest)  # None: not reproducible
-        on_complete = None
-        if cache is not None and key is not None:
-            cached = cache.get(key)
-            if cached is not None:
-                outbox.load(cached.items)  # a hit: every frame is ready now, no model work
-                self.metrics.cache_hits.inc()
-                return None, None
-            self.metrics.cache_misses.inc()
-            on_complete = functools.partial(self._store, cache, key)
-        params = params_with_voice(request, who.voice)
-        generation = self.engine.generate(
-            GenerateRequest(
-                segments=segments[first:],
-                params=params,
-                client=who.client,
-                on_queued=who.charge,
-                first_segment=first,
-            )
-        )
-        return generation, on_complete
-
-    def _encoder_for(self, request: SpeechRequest) -> FrameEncoder:
-        # With signed tokens the Ogg serial is the request's, so that a regeneration matches.
-        serial = None if self.router is None else int.from_bytes(request_digest(request)[:4])
-        return stream_encoder(request, self.settings, self.engine, ogg_serial=serial)
-
-    def _segments(self, request: SpeechRequest) -> tuple[str, ...]:
-        return speakable_segments(request.text or "", self.settings.segment_max_chars, self.engine)
-
-    def _start_incremental(self, request: SpeechRequest, who: _Who) -> tuple[Generation, TextFeed]:
-        s, params = self.settings, params_with_voice(request, who.voice)
-        delay_ms = request.max_buffer_delay_ms
-        feed = open_feed(
-            lambda first: self.engine.generate(
-                GenerateRequest(
-                    segments=first, params=params, incremental=True, client=who.client, on_queued=who.charge
-                )
-            ),
-            request.text or "",
-            segment_max_chars=s.segment_max_chars,
-            max_total_chars=s.max_text_chars,
-            max_pending_chars=s.max_pending_chars,
-            delay_s=(s.max_buffer_delay_ms if delay_ms is None else delay_ms) / 1000,
-            budget=PromptBudget.of(self.engine),
-        )
-        return feed.generation, feed
-
-    @property
-    def _engine_identity(self) -> str:
-        """What besides the request decides the audio: the engine, its weights and block schedule."""
-        s = self.settings
-        return f"{s.engine}|{s.model_dir}|{s.dev_model}|{s.block_schedule}|{s.segment_max_chars}"
-
-    def _store(self, cache: ResponseCache, key: str, stream: Stream) -> None:
-        if (items := stream.outbox.snapshot()) is not None:
-            cache.put(key, items)
-            self.metrics.cache_bytes.set(cache.size)
 
     # --- resuming, sending, freeing -------------------------------------------------------------------
 
@@ -311,7 +202,7 @@ class SpeechService:
             request,
             claims,
             point,
-            segments=len(self._segments(request)),
+            segments=len(self._builder.segments(request)),
             fingerprint=self.router.fingerprint,
             engine=self.engine.info,
             owner=owner,

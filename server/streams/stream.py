@@ -1,21 +1,11 @@
 """One stream on the event loop: engine events → encoder → outbox, its text input, its lifecycle.
 
-A :class:`Stream` is built complete by the service (its encoder, outbox,
-generation and text input exist before it does) and owns its lifecycle: the
-state, every transition, and the metrics they count::
-
-    ATTACHED ── connection lost ──▶ DETACHED ── TTL or replay budget ──▶ EXPIRED
-       │  ▲                            │
-       │  └────────── resume ──────────┘     (a resume may also move an ATTACHED
-       └── done sent ──▶ DELIVERED             or DELIVERED stream to a new owner)
-    DELIVERED ── TTL ──▶ CLOSED;   any state ── close ──▶ CLOSED
-
-Each stream is counted once in ``chattts_streams{reason}``: when its ``done``
-is first delivered (its done reason), when it expires (``expired``), or when it
-is closed before that (the reason given); ``chattts_active_streams`` counts
-those not counted yet. Light formats (PCM) are encoded inline on the event
-loop; CPU-heavy ones (Opus, Ogg) in the encoder pool, one call at a time (the
-encoders are stateful), so the event loop never waits for libopus.
+A :class:`Stream` is built complete by the service (:mod:`server.streams.builder`: its
+encoder, outbox, generation and text input exist before it does) and owns its lifecycle:
+which transition each event means (its states, its sender's :class:`Lease` and their
+bookkeeping are :mod:`server.streams.lifecycle`'s) and what each frees. Light formats (PCM)
+are encoded inline on the event loop; CPU-heavy ones (Opus, Ogg) in the encoder pool, one
+call at a time (the encoders are stateful), so the event loop never waits for libopus.
 
 What a stream holds besides its outbox is charged to its client's share of the memory
 budget for as long as it holds it (:mod:`server.streams.budget`): the stream's own objects
@@ -29,7 +19,6 @@ text (at its bound, until its text side closes).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -45,36 +34,13 @@ from server.metrics import Metrics
 from server.streams.budget import PENDING_CHAR_BYTES, STREAM_OVERHEAD_BYTES, Held
 from server.streams.incremental import TextFeed
 from server.streams.items import Frame, OutItem
+from server.streams.lifecycle import Lease, Lifecycle, StreamState
 from server.streams.outbox import BufferOverflow, Outbox
 from server.streams.timing import SegmentWords
-from server.streams.tokens import new_stream_token as new_stream_token  # re-exported: the service's
+from server.streams.tokens import new_stream_token as new_stream_token  # re-exported: test_outbox's
 from server.streams.tokens import redact as redact
 
 log = logging.getLogger(__name__)
-
-
-class StreamState(enum.Enum):
-    """Where a stream is in its life (see the module docstring for the transitions)."""
-
-    ATTACHED = "attached"  # a front end sends its items
-    DETACHED = "detached"  # lost its connection before done went out: resumable until the TTL
-    DELIVERED = "delivered"  # done went out; kept for the TTL in case the last bytes were lost
-    EXPIRED = "expired"  # not resumed in time (terminal)
-    CLOSED = "closed"  # freed (terminal)
-
-
-class Lease:
-    """A front end's right to send one stream; revoked when the stream moves elsewhere.
-
-    Args:
-        abort: drops the front end's connection (its reader fell too far behind).
-    """
-
-    __slots__ = ("abort", "revoked")
-
-    def __init__(self, abort: Callable[[str], None]) -> None:
-        self.abort = abort
-        self.revoked = False
 
 
 class Stream:
@@ -132,10 +98,6 @@ class Stream:
         self._clock = clock
         self.created = clock()
         self.first_frame_at: float | None = None
-        self._state = StreamState.ATTACHED
-        self._lease: Lease | None = lease
-        self._detached_at: float | None = None
-        self._counted = False
         self._on_linger = on_linger
         # The memory budget's charges for what is held besides the outbox (module docstring).
         self._held = Held(
@@ -144,7 +106,7 @@ class Stream:
             encoder=encoder_state_bytes(self.format, self.sample_rate, frame_ms_of(encoder)),
             text=PENDING_CHAR_BYTES * text.max_pending_chars if text is not None else 0,
         )
-        metrics.active_streams.inc()
+        self._life = Lifecycle(lease, outbox, metrics, clock)  # counts it as active
         if generation is None:  # a cache hit: every frame is in the outbox already
             self._drop_encoder()
 
@@ -153,21 +115,21 @@ class Stream:
     @property
     def state(self) -> StreamState:
         """Where the stream is in its life."""
-        return self._state
+        return self._life.state
 
     @property
     def lease(self) -> Lease | None:
         """The front end sending it now (None while detached or delivered)."""
-        return self._lease
+        return self._life.lease
 
     @property
     def counted(self) -> bool:
         """Its end was counted (delivered, expired or closed): no longer active."""
-        return self._counted
+        return self._life.counted
 
     def idle_since(self) -> float | None:
         """When it lost its sender (detached or delivered); None while attached or gone."""
-        return self._detached_at if self._state in (StreamState.DETACHED, StreamState.DELIVERED) else None
+        return self._life.idle_since()
 
     @property
     def buffered_bytes(self) -> int:
@@ -183,28 +145,24 @@ class Stream:
     @property
     def lingering(self) -> bool:
         """Ended and kept only for a resume: delivered, or detached with its outbox ended."""
-        state = self._state
+        state = self._life.state
         return state is StreamState.DELIVERED or (state is StreamState.DETACHED and self.outbox.ended)
 
     @property
     def generating(self) -> bool:
         """Its generation has not ended and it is not closed: it holds (or waits for) an engine row."""
-        return self._state in (StreamState.ATTACHED, StreamState.DETACHED) and not self.outbox.ended
+        return self._life.state in (StreamState.ATTACHED, StreamState.DETACHED) and not self.outbox.ended
 
     @property
     def busy(self) -> bool:
         """A drain waits for it: still generating, or items left for a live sender."""
-        return self.generating or self._state is StreamState.ATTACHED
+        return self.generating or self._life.state is StreamState.ATTACHED
 
     def attach(self, lease: Lease) -> None:
         """``lease`` sends the stream from now on; a previous sender's lease is revoked."""
-        if self._state in (StreamState.EXPIRED, StreamState.CLOSED):
-            raise RuntimeError(f"stream {redact(self.token)} is {self._state.value}")
-        self._revoke()
-        self._lease = lease
-        self._state = StreamState.ATTACHED
-        self._detached_at = None
-        self.outbox.attached = True
+        if self._life.state in (StreamState.EXPIRED, StreamState.CLOSED):
+            raise RuntimeError(f"stream {redact(self.token)} is {self._life.state.value}")
+        self._life.attach(lease)
         self._lingering_changed()
 
     def detach(self, lease: Lease) -> None:
@@ -212,50 +170,40 @@ class Stream:
 
         A no-op if the stream moved on to another sender.
         """
-        if self._lease is not lease:
+        if self._life.lease is not lease:
             return
         if self._ttl_s <= 0:
             self.expire()
             return
-        self._release(StreamState.DETACHED)
+        self._life.release(StreamState.DETACHED)
         log.info("stream %s detached; resumable for %.0f s", redact(self.token), self._ttl_s)
         self._lingering_changed()
 
     def _delivered(self, lease: Lease) -> None:
         """``lease`` handed ``done`` to its socket: count the stream; keep it for the TTL or free it."""
-        if self._lease is not lease:
+        if self._life.lease is not lease:
             return
-        self._count(self.outbox.done_reason or "error")
+        self._life.count(self.outbox.done_reason or "error")
         if self.resumable and self._ttl_s > 0:
-            self._release(StreamState.DELIVERED)
+            self._life.release(StreamState.DELIVERED)
             self._lingering_changed()
         else:
             self._free(StreamState.CLOSED)
 
     def expire(self) -> None:
         """Not resumed within the TTL (or evicted to fit the replay budget): free it."""
-        if self._state is StreamState.DETACHED:
+        if self._life.state is StreamState.DETACHED:
             log.info("stream %s expired: not resumed in time", redact(self.token))
-        self._count("expired")
+        self._life.count("expired")
         self._free(StreamState.EXPIRED)
 
     def close(self, reason: str = "expired") -> None:
         """Free the stream; counted as ``reason`` unless it was counted already."""
-        self._count(reason)
+        self._life.count(reason)
         self._free(StreamState.CLOSED)
 
-    def _release(self, state: StreamState) -> None:
-        self._lease = None
-        self._state = state
-        self._detached_at = self._clock()
-        self.outbox.attached = False
-
     def _free(self, state: StreamState) -> None:
-        self._revoke()
-        self._lease = None
-        self._state = state
-        self._detached_at = None
-        self.outbox.attached = False
+        self._life.end(state)
         # No one will read what it holds or would generate: stop it and give the memory back.
         if self._generation is not None:
             self._generation.discard()
@@ -265,11 +213,6 @@ class Stream:
         self._held.drop("stream")
         if self._on_freed is not None:
             self._on_freed(self)  # the registry forgets it
-
-    def _revoke(self) -> None:
-        if self._lease is not None:
-            self._lease.revoked = True
-            self.outbox.poke()  # its sender wakes up and leaves
 
     def _lingering_changed(self) -> None:
         """Tell the registry it may have become (or stopped being) ended-but-resumable."""
@@ -285,12 +228,6 @@ class Stream:
         if self.text is not None:
             self.text.close()
         self._held.drop("text")
-
-    def _count(self, reason: str) -> None:
-        if not self._counted:
-            self._counted = True
-            self._metrics.streams_total.labels(reason=reason).inc()
-            self._metrics.active_streams.dec()
 
     # --- sending -----------------------------------------------------------------------
 
@@ -325,7 +262,7 @@ class Stream:
 
     def sent(self, lease: Lease, index: int, frames: int) -> None:
         """``lease`` handed every item before ``index`` (``frames`` of them audio) to its socket."""
-        if lease is not self._lease:
+        if lease is not self._life.lease:
             return  # the stream moved on meanwhile: the new sender owns the numbering
         self.outbox.mark_sent(index)
         if frames:
@@ -362,8 +299,8 @@ class Stream:
                 try:
                     outbox.on_frames(frames, len(event.samples))
                 except BufferOverflow:
-                    if self._lease is not None:
-                        self._lease.abort("too much unsent audio")
+                    if (sender := self._life.lease) is not None:
+                        sender.abort("too much unsent audio")
             elif isinstance(event, SegmentStarted):
                 outbox.on_segment(event.text)
                 if self._words is not None:

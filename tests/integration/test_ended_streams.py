@@ -22,8 +22,9 @@ from websockets.asyncio.client import ClientConnection
 from server.app import App
 from server.audio.base import FrameEncoder
 from server.audio.footprint import encoder_state_bytes
-from server.streams import service as service_module
-from server.streams.stream import Stream, StreamState
+from server.streams import builder as builder_module
+from server.streams.lifecycle import StreamState
+from server.streams.stream import Stream
 from tests.integration.conftest import wait_until
 from tests.wsclient import collect, open_client, recv_json, start
 
@@ -93,14 +94,14 @@ async def test_start_cancel_churn_keeps_ended_streams_at_the_cap_and_counts_enco
 
 async def test_an_ended_stream_frees_its_encoder(make_app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[weakref.ref[FrameEncoder]] = []
-    make = service_module.stream_encoder
+    make = builder_module.stream_encoder
 
     def recording(*args: Any, **kwargs: Any) -> FrameEncoder:
         encoder = make(*args, **kwargs)
         built.append(weakref.ref(encoder))
         return encoder
 
-    monkeypatch.setattr(service_module, "stream_encoder", recording)
+    monkeypatch.setattr(builder_module, "stream_encoder", recording)
     app: App = await make_app("--resume-ttl-s", "300")
     ws, _ = await open_client(app.port)
     await start_and_cancel(ws, "cancelled", "mp3")

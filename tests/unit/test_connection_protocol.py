@@ -27,8 +27,8 @@ from server.frontends.websocket.session import (
     StopPump,
 )
 from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark
+from server.streams.lifecycle import StreamState
 from server.streams.service import SpeechService
-from server.streams.stream import StreamState
 from tests.unit.conftest import MakeService
 
 

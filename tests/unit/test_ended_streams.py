@@ -15,9 +15,10 @@ from server.core.events import Audio, Ended
 from server.core.generation import Generation
 from server.metrics import Metrics
 from server.streams.budget import STREAM_OVERHEAD_BYTES, MemoryBudget
+from server.streams.lifecycle import Lease, StreamState
 from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
-from server.streams.stream import Lease, Stream, StreamState
+from server.streams.stream import Stream
 
 
 class NoControl:

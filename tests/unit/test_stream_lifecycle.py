@@ -11,9 +11,10 @@ from server.audio import make_encoder
 from server.audio.base import EncodedFrame
 from server.metrics import Metrics
 from server.streams.items import Done, OutItem
+from server.streams.lifecycle import Lease, StreamState
 from server.streams.outbox import Outbox
 from server.streams.registry import StreamRegistry
-from server.streams.stream import Lease, Stream, StreamState
+from server.streams.stream import Stream
 
 
 class Clock:

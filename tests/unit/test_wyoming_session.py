@@ -36,8 +36,8 @@ from server.frontends.wyoming.session import (
     wyoming_info,
 )
 from server.streams.items import Frame, OutItem
+from server.streams.lifecycle import StreamState
 from server.streams.service import SpeechService
-from server.streams.stream import StreamState
 from server.voices.catalog import OPENAI_VOICES
 from tests.unit.conftest import MakeService
 

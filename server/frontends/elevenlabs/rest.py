@@ -30,8 +30,9 @@ from server.frontends.elevenlabs.formats import ElevenLabsError, OutputFormat, V
 from server.frontends.http.transfer import streamed_response
 from server.frontends.messages import BadMessage
 from server.streams.items import Failure, Frame, OutItem, Words
+from server.streams.lifecycle import Lease
 from server.streams.request import SpeechRequest
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Stream
 
 
 class SpeechBody(msgspec.Struct, forbid_unknown_fields=False):

@@ -39,8 +39,8 @@ from server.frontends.http.common import STATUS
 from server.frontends.http.transfer import BodyRefused, read_body, refused_response
 from server.frontends.messages import BadMessage, InvalidBudget, query_int
 from server.metrics import Metrics
+from server.streams.lifecycle import Lease
 from server.streams.service import SpeechService
-from server.streams.stream import Lease
 
 log = logging.getLogger(__name__)
 PREFIX: Final = "/v1/text-to-speech/"

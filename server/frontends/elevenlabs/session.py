@@ -39,9 +39,10 @@ from server.frontends.elevenlabs.alignment import ws_alignment
 from server.frontends.elevenlabs.formats import OutputFormat, VoiceSettings, speed_of, voice_settings
 from server.frontends.messages import INVALID_CLOSE_CODE, INVALID_CLOSE_REASON, BadMessage, InvalidBudget
 from server.streams.items import Done, Failure, Frame, OutItem, Words
+from server.streams.lifecycle import Lease
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Stream
 
 #: The unnamed context of ``stream-input`` (its messages carry no ``contextId``).
 SINGLE = ""

@@ -26,7 +26,8 @@ from server.frontends.elevenlabs.session import Action, Close, Deliver, ElevenLa
 from server.frontends.lifecycle import end_connection
 from server.frontends.messages import BadMessage
 from server.metrics import Metrics
-from server.streams.stream import Lease, Stream
+from server.streams.lifecycle import Lease
+from server.streams.stream import Stream
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode

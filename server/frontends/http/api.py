@@ -48,8 +48,9 @@ from server.frontends.http.voices import VoicesApi
 from server.frontends.ports import GuardedProtocol, PortGuard
 from server.metrics import Metrics
 from server.streams.items import Done, Failure, Frame
+from server.streams.lifecycle import Lease
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Stream
 
 log = logging.getLogger(__name__)
 #: A complete response goes out in writes of about this many bytes, each within ``--send-timeout-s``.

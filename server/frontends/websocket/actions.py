@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from server.frontends.messages import INVALID_CLOSE_CODE, INVALID_CLOSE_REASON
 from server.frontends.websocket.handoff import Remote
-from server.streams.stream import Lease, Stream
+from server.streams.lifecycle import Lease
+from server.streams.stream import Stream
 
 
 @dataclass(eq=False)

@@ -54,8 +54,9 @@ from server.frontends.websocket.wire import (
 from server.metrics import Metrics
 from server.streams.failover import ResumePoint
 from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark, Words
+from server.streams.lifecycle import Lease
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream, redact
+from server.streams.stream import Stream, redact
 
 log = logging.getLogger(__name__)
 

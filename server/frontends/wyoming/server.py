@@ -37,8 +37,9 @@ from server.frontends.wyoming.session import (
     wyoming_info,
 )
 from server.metrics import Metrics
+from server.streams.lifecycle import Lease
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Stream
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,10 @@ from server.errors import InvalidRequest, ServiceError, Unsupported
 from server.frontends.codes import code_of
 from server.streams.incremental import TextFeed
 from server.streams.items import Done, Failure, Frame, OutItem
+from server.streams.lifecycle import Lease
 from server.streams.request import SpeechRequest
 from server.streams.service import SpeechService
-from server.streams.stream import Lease, Stream
+from server.streams.stream import Stream
 from server.voices.catalog import VoiceEntry
 
 #: Wyoming audio: signed 16-bit mono at the model's native rate.
