@@ -213,7 +213,8 @@ class ServerStages:
     """One server (full-size dev model on the device) for the ttfa and search stages."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        from bench.harness.cli import Harness, build_parser
+        from bench.harness.cli import build_parser
+        from bench.harness.run import Harness
 
         self.args = args
         self.loop = asyncio.new_event_loop()

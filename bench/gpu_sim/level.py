@@ -2,7 +2,7 @@
 
 :func:`run_level` builds the server's own :class:`~server.core.engine_core.EngineCore` (and
 so its :class:`~server.core.policy.SchedulingPolicy`) over a
-:class:`~bench.gpu_sim.model.QuantumEngine`, reading a :class:`~bench.gpu_sim.model.VirtualClock`,
+:class:`~bench.gpu_sim.engine.QuantumEngine`, reading a :class:`~bench.gpu_sim.clock.VirtualClock`,
 and drives it round by round as its thread would: the streams' ``Add`` commands arrive at
 their virtual times through the engine client's admission rule, each round runs the core's
 own ``_iterate`` (take commands, schedule, add, step, update, publish), and an idle round
@@ -22,14 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.gpu_sim.model import (
-    BLOCK_SCHEDULE,
-    TOKENS_PER_S,
-    CostModel,
-    QuantumEngine,
-    VirtualClock,
-    segment_tokens,
-)
+from bench.gpu_sim.clock import VirtualClock
+from bench.gpu_sim.engine import QuantumEngine
+from bench.gpu_sim.model import CostModel
+from bench.gpu_sim.tokens import BLOCK_SCHEDULE, TOKENS_PER_S, segment_tokens
 from bench.harness.listener import simulate
 from bench.harness.stats import distribution
 from bench.harness.textset import BenchText

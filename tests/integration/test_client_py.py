@@ -321,7 +321,7 @@ async def test_duplicate_id_unknown_stream_and_engine_error(make_app: Any) -> No
     app = await make_app("--fake-step-ms", "5")
     async with CuttableProxy(app.port) as proxy, cs.Client(url(proxy.port)) as client:
         live = await client.open_stream(stream_id="same")
-        client._streams.pop("same")  # forget it locally, so the server is the one to refuse
+        client._demux.streams.pop("same")  # forget it locally, so the server is the one to refuse
         with pytest.raises(cs.DuplicateId):
             await client.speak("Again.", stream_id="same").start()
         await live.end()

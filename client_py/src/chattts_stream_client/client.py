@@ -1,4 +1,9 @@
-"""The asyncio client: one WebSocket shared by any number of streams, reconnect and resume."""
+"""The asyncio client: one WebSocket shared by any number of streams, reconnect and resume.
+
+Opening a connection is :func:`~chattts_stream_client.handshake.handshake`; routing what the
+server sends to each stream is :class:`~chattts_stream_client.demux.Demux`. The client owns the
+connection's lifetime: when to open one, the reader, and reconnecting to resume its streams.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +17,14 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 
-from chattts_stream_client.errors import (
-    ChatTTSStreamError,
-    ConnectionLost,
-    ProtocolViolation,
-    StreamTimeout,
-    Unauthorized,
-    error_from,
-)
+from chattts_stream_client.demux import Demux
+from chattts_stream_client.errors import ChatTTSStreamError, ConnectionLost, ProtocolViolation
+from chattts_stream_client.handshake import handshake
 from chattts_stream_client.stream import SpeechStream
-from chattts_stream_client.wire import parse_frame, stream_url
+from chattts_stream_client.wire import stream_url
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -87,9 +87,7 @@ class Client:
         self._reconnect: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connect_lock = asyncio.Lock()
-        self._streams: dict[str, SpeechStream] = {}
-        self._by_slot: dict[int, SpeechStream] = {}
-        self._resuming: list[SpeechStream] = []  # resumes sent, not yet answered, in order
+        self._demux = Demux(self._spawn)
         self._lost_at: float | None = None
         self._closed = False
 
@@ -181,7 +179,7 @@ class Client:
     async def close(self) -> None:
         """Cancel every unfinished stream and close the connection."""
         self._closed = True
-        for stream in list(self._streams.values()):
+        for stream in list(self._demux.streams.values()):
             await stream.cancel()
         tasks = [t for t in (self._reconnect, self._reader, *self._tasks) if t is not None]
         ws, self._ws = self._ws, None
@@ -199,11 +197,11 @@ class Client:
         if self._closed:
             raise RuntimeError("the client is closed")
         sid = stream_id or f"py{next(_ids)}"
-        if sid in self._streams:
+        if sid in self._demux.streams:
             raise ValueError(f"stream id {sid!r} is live on this client")
         start = {"type": "start", "id": sid} | {k: v for k, v in fields.items() if v is not None}
         stream = SpeechStream(self, sid, start, self.max_queued_chunks)
-        self._streams[sid] = stream
+        self._demux.streams[sid] = stream
         return stream
 
     async def _launch(self, stream: SpeechStream) -> None:
@@ -217,9 +215,7 @@ class Client:
         # else: lost meanwhile; the reconnect sends it
 
     def _forget(self, stream: SpeechStream) -> None:
-        self._streams.pop(stream.id, None)
-        if stream.slot is not None and self._by_slot.get(stream.slot) is stream:
-            del self._by_slot[stream.slot]
+        self._demux.forget(stream)
 
     async def _send(self, message: dict[str, Any]) -> None:
         ws = self._ws
@@ -239,51 +235,19 @@ class Client:
     # --- the connection ------------------------------------------------------------
 
     async def _open(self) -> None:
-        try:
-            ws = await connect(
-                self.url,
-                additional_headers=self._headers,
-                compression=None,
-                max_size=2**24,
-                open_timeout=self.connect_timeout,
-                ping_interval=20,
-                ping_timeout=20,
-            )
-        except InvalidStatus as exc:
-            status = exc.response.status_code
-            message = f"the server refused the connection: HTTP {status}"
-            if status in (401, 403):
-                raise Unauthorized(message) from None
-            raise ConnectionLost(message, code=f"http_{status}") from None
-        except (OSError, TimeoutError, InvalidURI, InvalidHandshake, ConnectionClosed, EOFError) as exc:
-            raise ConnectionLost(f"cannot connect to {self.url}: {exc!r}") from exc
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                hello = json.loads(await ws.recv())
-        except TimeoutError:
-            ws.transport.abort()
-            raise StreamTimeout(f"no hello from {self.url} within {self.connect_timeout} s") from None
-        except (ConnectionClosed, ValueError) as exc:
-            ws.transport.abort()
-            if isinstance(exc, ConnectionClosed) and exc.rcvd is not None and exc.rcvd.code == 1008:
-                raise Unauthorized(f"the server closed the connection: {exc.rcvd.reason}") from None
-            raise ConnectionLost(f"bad greeting from {self.url}: {exc}") from exc
-        if not isinstance(hello, dict) or hello.get("type") != "hello":
-            ws.transport.abort()
-            raise ProtocolViolation(f"expected hello, got {hello!r}")
+        ws, hello = await handshake(self.url, self._headers, self.connect_timeout)
         self._ws, self.hello, self._last_hello = ws, hello, hello
         self.connections += 1
-        self._by_slot.clear()
-        self._resuming = []
+        self._demux.new_connection()
         self._reader = asyncio.create_task(self._read(ws), name="chattts-stream-reader")
 
     async def _read(self, ws: ClientConnection) -> None:
         try:
             async for raw in ws:
                 if isinstance(raw, bytes):
-                    await self._on_frame(raw)
+                    await self._demux.on_frame(raw)
                 else:
-                    self._on_message(json.loads(raw))
+                    self._demux.on_message(json.loads(raw))
         except ConnectionClosed:
             pass
         except (ProtocolViolation, ValueError, KeyError, TypeError) as exc:
@@ -293,83 +257,26 @@ class Client:
             if self._ws is ws:
                 self._lost(ws)
 
-    async def _on_frame(self, raw: bytes) -> None:
-        received = time.perf_counter()
-        header, payload = parse_frame(raw)
-        stream = self._by_slot.get(header.slot)
-        if stream is None:
-            raise ProtocolViolation(f"frame for slot {header.slot}, which no stream holds")
-        await stream._on_frame(header, payload, received)
-
-    def _on_message(self, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        stream = self._streams.get(message["id"]) if isinstance(message.get("id"), str) else None
-        if kind == "started" and stream is not None:
-            stream._on_started(message)
-            self._by_slot[stream.slot] = stream  # type: ignore[index]
-        elif kind == "resumed" and stream is not None:
-            if stream in self._resuming:
-                self._resuming.remove(stream)
-            stream._on_resumed(message)
-            self._by_slot[stream.slot] = stream  # type: ignore[index]
-            self._spawn(stream._send_text())
-        elif kind == "segment" and stream is not None:
-            stream._on_segment(message)
-        elif kind == "words" and stream is not None:
-            stream._on_words(message)
-        elif kind == "resume_degraded" and stream is not None:
-            stream.degraded = str(message.get("reason", "the audio may differ"))
-            log.warning("stream %s resumed, but its audio may differ: %s", stream.id, stream.degraded)
-        elif kind == "done" and stream is not None:
-            stream._on_done(message)
-            self._forget(stream)
-        elif kind == "error":
-            self._on_error(message, stream)
-
-    def _on_error(self, message: dict[str, Any], stream: SpeechStream | None) -> None:
-        error = error_from(message)
-        token = message.get("stream")
-        resumed = next((s for s in self._resuming if s.token == token), None) if token is not None else None
-        if resumed is not None:
-            # unknown_stream / resume_expired answer a resume: that stream cannot come back.
-            self._resuming.remove(resumed)
-            self._fail(resumed, error)
-            return
-        if stream is None:
-            log.warning("server error: %s", error)
-            return
-        stream._on_error(error)
-        if stream.finished:
-            self._forget(stream)
-
     def _lost(self, ws: ClientConnection) -> None:
         """The connection is gone: detach its streams and reconnect if any must resume."""
         self._ws, self.hello = None, None
-        self._by_slot.clear()
-        self._resuming = []
-        waiting = [s for s in self._streams.values() if not s.finished and s.phase != "pending"]
-        for stream in waiting:
-            stream.phase = "detached" if stream.token is not None else "starting"
+        waiting = self._demux.detach()
         if self._closed or not waiting:
             return
         if not self.resume:
             for stream in waiting:
-                self._fail(stream, ConnectionLost("the connection closed", stream_id=stream.id))
+                self._demux.fail(stream, ConnectionLost("the connection closed", stream_id=stream.id))
             return
         self._lost_at = self._lost_at or time.monotonic()
         self._reconnect = asyncio.create_task(self._reconnect_loop(), name="chattts-stream-reconnect")
-
-    def _fail(self, stream: SpeechStream, error: ChatTTSStreamError) -> None:
-        stream._fail_with(error)
-        self._forget(stream)
 
     async def _reconnect_loop(self) -> None:
         try:
             await self._reconnect_until_deadline()
         except Exception as exc:  # never die silently: the streams waiting on it must hear
             log.exception("reconnect failed")
-            for stream in [s for s in self._streams.values() if not s.finished]:
-                self._fail(stream, ConnectionLost(f"reconnect failed: {exc!r}", stream_id=stream.id))
+            for stream in [s for s in self._demux.streams.values() if not s.finished]:
+                self._demux.fail(stream, ConnectionLost(f"reconnect failed: {exc!r}", stream_id=stream.id))
 
     async def _reconnect_until_deadline(self) -> None:
         assert self._lost_at is not None
@@ -384,9 +291,9 @@ class Client:
             except ChatTTSStreamError as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    for stream in [s for s in self._streams.values() if not s.finished]:
+                    for stream in [s for s in self._demux.streams.values() if not s.finished]:
                         message = f"could not reconnect within the resume TTL: {exc.message}"
-                        self._fail(stream, ConnectionLost(message, stream_id=stream.id))
+                        self._demux.fail(stream, ConnectionLost(message, stream_id=stream.id))
                     self._lost_at = None
                     return
                 await asyncio.sleep(min(left, delay * random.uniform(0.8, 1.2)))  # jitter, not crypto
@@ -396,9 +303,9 @@ class Client:
 
     async def _reattach(self) -> None:
         """On a fresh connection: resume streams that have a token, start again those that had none."""
-        for stream in list(self._streams.values()):
+        for stream in list(self._demux.streams.values()):
             if stream.phase == "detached":
-                self._resuming.append(stream)
+                self._demux.resume_sent(stream)
                 await self._send(stream._resume_message())
             elif stream.phase == "starting":
                 await stream._restart()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.gpu_sim.clock import VirtualClock
+from bench.gpu_sim.engine import QuantumEngine
 from bench.gpu_sim.level import SimSettings, run_level
-from bench.gpu_sim.model import CostModel, QuantumEngine, VirtualClock
+from bench.gpu_sim.model import CostModel
 from bench.harness.textset import DEFAULT_TEXTS, load_texts
 from server.core.policy import PolicyConfig
 from server.engine_api import SequenceRequest, SynthesisParams
