@@ -179,8 +179,8 @@ class Run:
 
     def harness(self, concurrency: str | None = None) -> Any:
         """The ``python -m bench`` harness with this run's load settings (at ``concurrency``: one level)."""
-        from bench.harness.cli import Harness
         from bench.harness.cli import build_parser as bench_parser
+        from bench.harness.run import Harness
 
         a = self.args
         levels = concurrency or a.concurrency

@@ -1,12 +1,16 @@
-"""The markdown of :mod:`bench.cpu`: the step rows, where the time goes, the servers, the targets."""
+"""The markdown of :mod:`bench.cpu`: the targets, the servers, the ratios.
+
+The step's part (its rows, splits and targets) is :mod:`bench.cpu.step_report`.
+"""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-#: What real time needs on ChatTTS: 46.9 audio tokens a second of audio, per stream.
-REALTIME_MS_PER_TOKEN = 1000 / (24_000 / 512)
+from bench.cpu.cells import LOADED, fmt, load_note
+from bench.cpu.step_report import step_tables, step_targets
+
 LONG_S = 4.0  # "streams of at least 4 s"
 LISTENER_MS = 300.0
 #: The in-process engine each server is compared with at c8 (the same flags, no server); a
@@ -21,52 +25,12 @@ SERVER_ENGINE = {
     "after-compiled-int8": "engine-direct-compiled-int8",
     "after-compiled-w8a8": "engine-direct-compiled-w8a8",
 }
-LOADED = 1.5  # a 1-minute load average above this on 2 cores: the number was taken on a loaded machine
-
-STEP_ROWS = (
-    ("floor", "memory floor: one bf16 product over all GPT weights (faster of plain and packed)"),
-    ("floor-int8", "int8 memory floor: one w8a8 product over as many int8 weights (FBGEMM or VNNI, faster)"),
-    ("products-dense", "the 140 projections one by one, bf16 `F.linear` (as before #23)"),
-    ("products-onednn-bf16", "the 140 projections, oneDNN-prepacked bf16"),
-    ("products-int8", "the 140 projections, weight-only int8"),
-    ("products-w8a8", "the 140 projections, int8 weights × per-row int8 activations (VNNI, else FBGEMM)"),
-    ("transformers", "transformers' `LlamaModel`, eager, its own cache"),
-    ("transformers-compiled", "the same, `torch.compile` (default mode)"),
-    ("step-dense", "our whole token step, before #23 (dense bf16 projections)"),
-    ("step-onednn-bf16", "our whole token step, after (default: prepacked bf16)"),
-    ("step-int8", "our whole token step, `--quantize int8`"),
-    ("step-w8a8", "our whole token step, `--quantize w8a8`"),
-    ("step-compiled", "our whole token step, `--compile-step on` (timed after the rows above)"),
-    ("step-compiled-int8", "our whole token step, `--compile-step on --quantize int8` (timed after)"),
-    ("step-compiled-w8a8", "our whole token step, `--compile-step on --quantize w8a8` (timed after)"),
-    ("step-compiled-w8a8-ahead", "our whole token step, `--compile-step ahead --quantize w8a8`, the default"),
-    ("step-compiled-w8a8-fbgemm-ahead", "the same, FBGEMM's products (the default before the VNNI kernel)"),
-)
-#: The projection forms :mod:`bench.cpu.step` measures the step with.
-STEP_FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
-SPLIT_COLUMNS = ("projections", "attention", "kv_write", "llama_rest", "step_rest", "total")
 
 
 def _openmp(result: dict[str, Any]) -> str:
     """How every system's idle OpenMP threads waited (runs before the setting was recorded: PASSIVE)."""
     env = result.get("openmp_env", {"OMP_WAIT_POLICY": "PASSIVE"})
     return ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) or "libgomp's defaults"
-
-
-def _best(step: dict[str, Any], name: str, batch: int, key: str = "best_ms") -> float | None:
-    rows = step["rows"]
-    forms = {"floor": ("plain", "packed"), "floor-int8": ("fbgemm", "vnni")}.get(name)
-    if forms is not None:  # a floor is the fastest of its forms (a run before the forms: the one row)
-        keys = [f"{name}-{form}@{batch}" for form in forms] + [f"{name}@{batch}"]
-        values = [rows[k].get(key) for k in keys if k in rows]
-        values = [v for v in values if v is not None]
-        return min(values) if values else None
-    entry = rows.get(f"{name}@{batch}")
-    return entry.get(key) if entry else None
-
-
-def _f(value: float | None, digits: int = 1) -> str:
-    return "—" if value is None or value != value else f"{value:.{digits}f}"
 
 
 def scenario_view(scenario: dict[str, Any]) -> dict[str, Any]:
@@ -125,14 +89,7 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     rows: list[tuple[str, str, bool | None]] = []
     step = result.get("step")
     if step:
-        for batch in (1, 8):
-            ours, hf = _best(step, "step-onednn-bf16", batch), _best(step, "transformers", batch)
-            cpu = [_best(step, n, batch, "best_cpu_ms") for n in ("step-onednn-bf16", "transformers")]
-            met = None if ours is None or hf is None else ours <= hf
-            what = f"our bf16 step ≤ transformers' at batch {batch}"
-            numbers = f"{_f(ours)} ms vs {_f(hf)} ms (CPU time: {_f(cpu[0])} vs {_f(cpu[1])} ms)"
-            rows.append((what, numbers, met))
-        rows += _int8_floor_target(step)
+        rows += step_targets(step)
     v = views(result)
     pairs = interleaved_pairs(result)
     servers = [name for name in SERVER_ENGINE if (name, 1) in v or (name, 8) in v]
@@ -141,55 +98,31 @@ def targets(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         if c1:
             met = c1["long"] > 0 and (c1["rtf_long_p50"] or 99) <= 1.0 and c1["underruns_long"] == 0
             numbers = (
-                f"RTF p50 {_f(c1['rtf_long_p50'], 2)} over {c1['long']} streams ≥ 4 s, "
+                f"RTF p50 {fmt(c1['rtf_long_p50'], 2)} over {c1['long']} streams ≥ 4 s, "
                 f"{c1['underruns_long']} of them under-ran at {LISTENER_MS:g} ms"
             )
             rows.append((f"{name}: c1 real time", numbers, met))
             ttfa = c1["ttfa_p50"]
             rows.append(
-                (f"{name}: TTFA p50 at c1 ≤ 0.5 s", f"{_f(ttfa, 3)} s", ttfa is not None and ttfa <= 0.5)
+                (f"{name}: TTFA p50 at c1 ≤ 0.5 s", f"{fmt(ttfa, 3)} s", ttfa is not None and ttfa <= 0.5)
             )
         if c8:
             rows.append(
-                (f"{name}: c8 ≥ 3 audio-s per wall-s", f"{_f(c8['throughput'], 2)}", c8["throughput"] >= 3)
+                (f"{name}: c8 ≥ 3 audio-s per wall-s", f"{fmt(c8['throughput'], 2)}", c8["throughput"] >= 3)
             )
             engine = v.get((SERVER_ENGINE[name], 8))
             if engine and name not in pairs:
                 ratio = c8["throughput"] / engine["throughput"]
-                numbers = f"{_f(c8['throughput'], 2)} / {_f(engine['throughput'], 2)} = {ratio:.2f}×"
+                numbers = f"{fmt(c8['throughput'], 2)} / {fmt(engine['throughput'], 2)} = {ratio:.2f}×"
                 rows.append((f"{name}: server ≥ 0.95× the engine in-process at c8", numbers, ratio >= 0.95))
     for name, pair in pairs.items():  # part 'ratio' measured it interleaved: its means decide
         numbers = (
-            f"{_f(pair['server_mean'], 2)} / {_f(pair['engine_mean'], 2)} = {_f(pair['ratio'], 3)}× "
+            f"{fmt(pair['server_mean'], 2)} / {fmt(pair['engine_mean'], 2)} = {fmt(pair['ratio'], 3)}× "
             f"(means of {pair['rounds']} interleaved rounds; each round {_rounds_text(pair)})"
         )
         what = f"{name}: server ≥ 0.95× the engine in-process at c{pair['concurrency']}"
         rows.append((what, numbers, pair["ratio"] is not None and pair["ratio"] >= 0.95))
     return rows
-
-
-#: Issue #46's margin: the batch-1 compiled w8a8 step at most this many times its int8 floor.
-INT8_FLOOR_RATIO = 1.6
-
-
-def _int8_floor_target(step: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """The batch-1 compiled w8a8 step ÷ the int8 weight-read floor of the same run (none if unmeasured).
-
-    The default's step (built ahead of time) where the run has it, else the lazily compiled one.
-    """
-    ours = _best(step, "step-compiled-w8a8-ahead", 1) or _best(step, "step-compiled-w8a8", 1)
-    floor = _best(step, "floor-int8", 1)
-    if ours is None or floor is None:
-        return []
-    ratio = ours / floor
-    numbers = f"{_f(ours, 2)} / {_f(floor, 2)} ms = {ratio:.2f}× (fastest round of each, this run)"
-    return [
-        (
-            f"batch-1 compiled w8a8 step ≤ {INT8_FLOOR_RATIO:g}× the int8 floor",
-            numbers,
-            ratio <= INT8_FLOOR_RATIO,
-        )
-    ]
 
 
 def interleaved_pairs(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -234,12 +167,6 @@ def _rounds_text(pair: dict[str, Any]) -> str:
     return ", ".join(f"{s:.2f}/{e:.2f}" for _, s, e in pair["per_round"])
 
 
-def _load_note(load: float | None) -> str:
-    if load is None:
-        return "—"
-    return f"**{load:.1f}**" if load > LOADED else f"{load:.1f}"
-
-
 def render(result: dict[str, Any]) -> str:
     """The report."""
     m = result["machine"]
@@ -251,7 +178,7 @@ def render(result: dict[str, Any]) -> str:
         f"Machine: {m.get('cpu_model')}, {m.get('cpu_cores')} cores, {m.get('memory_gib')} GiB, "
         f"torch {m.get('versions', {}).get('torch')}; {result['settings']['threads']} torch threads, "
         f"OpenMP waits: {_openmp(result)}. Commits: {result['commits']}. 1-minute load average at start "
-        f"{_f(m.get('loadavg_at_start', [None])[0])}, now {_f(m.get('loadavg_now', [None])[0])}; "
+        f"{fmt(m.get('loadavg_at_start', [None])[0])}, now {fmt(m.get('loadavg_now', [None])[0])}; "
         f"loads in **bold** (above {LOADED:g} on 2 cores) mark numbers taken on a loaded machine. "
         f"Elapsed {result.get('elapsed_s', 0) / 60:.0f} min.",
         "",
@@ -264,58 +191,12 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"| {what} | {numbers} | {'—' if met is None else 'yes' if met else '**no**'} |")
     step = result.get("step")
     if step:
-        lines += _step_tables(step)
+        lines += step_tables(step)
     lines += _server_table(result)
     lines += _ratio_table(result)
     if result.get("skipped"):
         lines += ["", "## Not measured", ""] + [f"- {s['what']}: {s['why']}" for s in result["skipped"]]
     return "\n".join(lines) + "\n"
-
-
-def _step_tables(step: dict[str, Any]) -> list[str]:
-    batches = step["batches"]
-    head = " | ".join(f"batch {b}" for b in batches)
-    lines = [
-        "",
-        f"## One token step: wall ms (CPU ms of both threads), fastest of "
-        f"{len(step['loadavg_after_rounds']) // len(batches)} interleaved rounds; attention over "
-        f"{step['length']} positions; {step['weights'] / 1e6:.0f} M weights",
-        "",
-        f"| row | {head} |",
-        "|---|" + "---|" * len(batches),
-    ]
-    for name, label in STEP_ROWS:
-        values = [_best(step, name, b) for b in batches]
-        cpu = [_best(step, name, b, "best_cpu_ms") for b in batches]
-        if any(v is not None for v in values):
-            cells = " | ".join(f"{_f(v)} ({_f(c)})" for v, c in zip(values, cpu, strict=True))
-            lines.append(f"| {label} | {cells} |")
-    budget = " | ".join(f"{REALTIME_MS_PER_TOKEN * b:.1f}" for b in batches)
-    lines.append(f"| real time: {REALTIME_MS_PER_TOKEN:.1f} ms per token per stream | {budget} |")
-    loads = ", ".join(_load_note(x) for x in step["loadavg_after_rounds"])
-    lines += ["", f"Load average after each round and batch: {loads}."]
-    if step.get("compile_s") is not None:
-        lines.append(f"`torch.compile` of transformers' Llama: {step['compile_s']:.0f} s for these batches.")
-    lines += [
-        "",
-        "## Where one token step's time goes, ms (the fastest split of the rounds)",
-        "",
-        "| step | batch | projections | attention | KV writes | rest of the Llama | heads, sampling, rest "
-        "| total |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for form in STEP_FORMS:
-        for b in batches:
-            split = step["splits"].get(f"step-{form}@{b}")
-            if split:
-                lines.append(f"| {form} | {b} | " + " | ".join(_f(split[c]) for c in SPLIT_COLUMNS) + " |")
-    lines += ["", "## Top operators of one step (`torch.profiler`, self CPU ms, calls)", ""]
-    for form in STEP_FORMS:
-        for b in (batches[0], batches[-1]):
-            ops = step["profiles"].get(f"step-{form}@{b}", [])[:6]
-            text = "; ".join(f"`{o['op']}` {o['self_ms']:.1f} ({o['calls']})" for o in ops)
-            lines.append(f"- {form}, batch {b}: {text}")
-    return lines
 
 
 def _server_table(result: dict[str, Any]) -> list[str]:
@@ -335,10 +216,10 @@ def _server_table(result: dict[str, Any]) -> list[str]:
     for (system, c), x in sorted(v.items(), key=lambda kv: (_rank(order, kv[0][0]), kv[0][1])):
         lines.append(
             f"| {system} c{c} | {x['streams']} | {x['long']} | "
-            f"{_f(x['throughput'], 2)} ({_f(x['per_cpu'], 2)}) | "
-            f"{_f(x['rtf_p50'], 2)} / {_f(x['rtf_p90'], 2)} | {_f(x['rtf_long_p50'], 2)} / "
-            f"{_f(x['rtf_long_p90'], 2)} | {x['underruns']}, {x['underruns_long']} | "
-            f"{_f(x['ttfa_p50'], 3)} / {_f(x['ttfa_p90'], 3)} | {x['errors']} | {_load_note(x['load'])} |"
+            f"{fmt(x['throughput'], 2)} ({fmt(x['per_cpu'], 2)}) | "
+            f"{fmt(x['rtf_p50'], 2)} / {fmt(x['rtf_p90'], 2)} | {fmt(x['rtf_long_p50'], 2)} / "
+            f"{fmt(x['rtf_long_p90'], 2)} | {x['underruns']}, {x['underruns_long']} | "
+            f"{fmt(x['ttfa_p50'], 3)} / {fmt(x['ttfa_p90'], 3)} | {x['errors']} | {load_note(x['load'])} |"
         )
     lines += _engine_thread_table(result)
     for name, entries in result.get("systems", {}).items():
@@ -347,7 +228,7 @@ def _server_table(result: dict[str, Any]) -> list[str]:
             ready = (entry.get("server") or {}).get("ready_s")
             if compute or ready:
                 lines.append(
-                    f"\n`{name}`: hello.compute {compute}; ready (load, warm-up) after {_f(ready)} s."
+                    f"\n`{name}`: hello.compute {compute}; ready (load, warm-up) after {fmt(ready)} s."
                 )
     return lines
 
@@ -372,10 +253,10 @@ def _ratio_table(result: dict[str, Any]) -> list[str]:
         level = f"{name} c{pair['concurrency']}"
         for round_, server, engine in pair["per_round"]:
             ratio = server / engine if engine > 0 else None
-            lines.append(f"| {level} | {round_} | {server:.2f} | {engine:.2f} | {_f(ratio, 3)}× |")
+            lines.append(f"| {level} | {round_} | {server:.2f} | {engine:.2f} | {fmt(ratio, 3)}× |")
         lines.append(
             f"| {level} | **mean** | {pair['server_mean']:.2f} | {pair['engine_mean']:.2f} | "
-            f"**{_f(pair['ratio'], 3)}×** |"
+            f"**{fmt(pair['ratio'], 3)}×** |"
         )
     threads = [s for s in result.get("ratio_scenarios", []) if s.get("engine_thread")]
     if threads:
@@ -402,9 +283,9 @@ def _engine_thread_table(result: dict[str, Any], rounds: bool = False) -> list[s
         e = s["engine_thread"]
         label = f"{s['system']} c{s['concurrency']}" + (f" round {s.get('ratio_round')}" if rounds else "")
         lines.append(
-            f"| {label} | {_f(e.get('engine_busy'), 2)} | "
-            f"{_f(e.get('tokens_per_block'))} | {_f(e.get('rows_per_step'), 2)} | "
-            f"{_f(e.get('step_ms_per_token'))} |"
+            f"| {label} | {fmt(e.get('engine_busy'), 2)} | "
+            f"{fmt(e.get('tokens_per_block'))} | {fmt(e.get('rows_per_step'), 2)} | "
+            f"{fmt(e.get('step_ms_per_token'))} |"
         )
     return lines
 

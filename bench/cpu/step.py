@@ -29,10 +29,9 @@ ever adds time, and every round is kept with the load average after it):
   runner (with that ``--quantize`` for the last two), and ``step-compiled-w8a8-ahead``, the
   default's ``--compile-step ahead`` (graphs built ahead of time, unfrozen; ``w8a8-fbgemm-ahead``: the same
   with FBGEMM's products where the VNNI kernel would run), each on a fresh load of the model
-  after the other rows (the runner freezes the weights it was compiled with, so it cannot
-  share the forms' layers),
-  compiled at these batches and this length, timed over the same number of rounds, with
-  its compile time.
+  after the other rows (:mod:`bench.cpu.compiled`), compiled at these batches and this length,
+  timed over the same number of rounds with the int8 floor timed beside it in every round
+  (``<row>:floor-int8``), with its compile time.
 
 Plus ``torch.profiler``'s top operators of one step of each ``step-<form>`` at every batch.
 """
@@ -45,40 +44,21 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from bench.cpu.compiled import compiled_step
+from bench.cpu.floors import floor, int8_floor
+from bench.cpu.rig import fill_slots, median_ms
 from bench.harness.engine_bench import timed
-from server.engine.chattts.step import w8a8_vnni
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
-from server.engine.chattts.step.w8a8 import cpu_has_vnni, quantized_engine_available
 
 FORMS = ("dense", "onednn-bf16", "int8", "w8a8")
 SPLIT = ("projections", "attention", "kv_write", "llama_rest", "step_rest")
-
-
-def median_ms(fn: Callable[[], Any], iterations: int) -> tuple[float, float]:
-    """Wall and CPU milliseconds per call (CPU: this process, all threads), of the run with the median wall.
-
-    Three runs of ``iterations`` calls after one warm call. CPU time moves much less than wall
-    time when other jobs share the cores (a waiting thread uses none), so it shows a change
-    on a loaded machine where wall time alone would hide it.
-    """
-    fn()
-    runs = []
-    for _ in range(3):
-        began, cpu = time.perf_counter(), time.process_time()
-        for _ in range(iterations):
-            fn()
-        wall = 1000 * (time.perf_counter() - began) / iterations
-        runs.append((wall, 1000 * (time.process_time() - cpu) / iterations))
-    return sorted(runs)[1]
 
 
 class Forms:
@@ -113,25 +93,6 @@ class Forms:
         return run
 
 
-def fill_slots(engine: Any, rows: int, length: int) -> None:
-    """Give slots ``[0, rows)`` ``length - 1`` cached positions of random keys and values, as a live row has.
-
-    What transformers' row holds too. Without it the step would attend over pages never written,
-    which all read as the one shared page of zeros, sitting in the cache: the attention's real
-    cost (reading every row's keys and values from memory, about as many bytes as the weights at
-    batch 8) would not be measured.
-    """
-    kv, state = engine._batch.kv, engine._batch.state
-    generator = torch.Generator().manual_seed(0)
-    for keys, values in zip(kv.keys, kv.values, strict=True):
-        for buffer in (keys, values):
-            part = buffer[:rows, :, : length - 1]
-            part.copy_(torch.randn(part.shape, generator=generator, dtype=part.dtype))
-    state.lengths[:rows] = length - 1
-    for slot in range(rows):
-        kv.cover(slot, length)
-
-
 def _dense(weight: torch.Tensor) -> nn.Linear:
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
@@ -140,50 +101,6 @@ def _dense(weight: torch.Tensor) -> nn.Linear:
 
 def _in_features(module: nn.Module) -> int:
     return int(getattr(module, "in_features"))  # noqa: B009 (all three forms have it)
-
-
-def floor(weights: int, batch: int, hidden: int) -> dict[str, Callable[[], None]]:
-    """One bf16 product over ``weights`` parameters, plain and packed."""
-    w = torch.randn(weights // hidden, hidden, dtype=torch.bfloat16)
-    packed = PackedLinear(w)
-    x = torch.randn(batch, hidden, dtype=torch.bfloat16)
-    return {"plain": lambda: F.linear(x, w), "packed": lambda: packed(x)}
-
-
-def int8_floor(weights: int, hidden: int) -> dict[str, Callable[[int], Callable[[], torch.Tensor]]]:
-    """One w8a8 product over ``weights`` int8 parameters by kernel: ``{"fbgemm": floor(batch), ...}``.
-
-    ``fbgemm``: FBGEMM's dynamic int8 product as :class:`~server.engine.chattts.step.w8a8.W8A8Linear`
-    calls it (per-channel int8 weights, each call quantizing its float32 rows); ``vnni``: this
-    project's kernel (:mod:`server.engine.chattts.step.w8a8_vnni`), where the CPU has
-    AVX512-VNNI. Each over one matrix packed once: the same weight bytes as the GPT's, read
-    once per call. The floor is the faster of the two, as the bf16 floor is the faster of its
-    two forms. Empty where neither runs.
-    """
-    rows = weights // hidden
-    kernels: dict[str, Callable[[int], Callable[[], torch.Tensor]]] = {}
-    if quantized_engine_available():
-        w = torch.randn(rows, hidden)
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
-        q = torch.quantize_per_channel(w, scale, torch.zeros(rows, dtype=torch.long), 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(q, None)
-        del w, q
-        reduce_range = not cpu_has_vnni()
-
-        def fbgemm(batch: int) -> Callable[[], torch.Tensor]:
-            x = torch.randn(batch, hidden)
-            return lambda: torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
-
-        kernels["fbgemm"] = fbgemm
-    if w8a8_vnni.available():
-        vnni_module = w8a8_vnni.VnniLinear(torch.randn(rows, hidden))
-
-        def vnni(batch: int) -> Callable[[], torch.Tensor]:
-            x = torch.randn(batch, hidden)
-            return lambda: vnni_module(x)
-
-        kernels["vnni"] = vnni
-    return kernels
 
 
 class Split:
@@ -287,74 +204,6 @@ class Transformers:
         return run
 
 
-def bf16_cpu_engine(model_dir: Path, **options: Any) -> Any:
-    """A ``ChatTTSEngine`` on a fresh load of the model: CPU, bf16, these ``EngineOptions``, not warmed up."""
-    from server.engine.chattts.assets import load_chat
-    from server.engine.chattts.engine import ChatTTSEngine
-    from server.engine.chattts.options import EngineOptions
-
-    loaded = load_chat(model_dir=model_dir, device=torch.device("cpu"))
-    return ChatTTSEngine(
-        loaded, device=torch.device("cpu"), dtype=torch.bfloat16, options=EngineOptions(**options)
-    )
-
-
-def compiled_step(
-    model_dir: Path, quantize: str, batches: list[int], length: int, rounds: int, iterations: int
-) -> tuple[str, dict[str, Any]]:
-    """The engine's compiled token step (``--compile-step on``) on a fresh load of the model.
-
-    ``quantize``: ``bf16`` (none), ``int8``, ``w8a8`` or ``w8a8-ahead`` (built ahead of time, as
-    ``--compile-step ahead``), ``w8a8-fbgemm-ahead`` (the same with FBGEMM's products where the
-    VNNI kernel would run: the default before it). Returns the row name and, per ``name@batch``, the
-    wall and CPU ms of every round (plus ``compile_s``: the runner's ``prepare`` at these shapes).
-    """
-    name = "step-compiled" if quantize == "bf16" else f"step-compiled-{quantize}"
-    form, *rest = quantize.split("-")
-    fbgemm = mock.patch.object(w8a8_vnni, "available", lambda: False) if "fbgemm" in rest else nullcontext()
-    with fbgemm:  # the products are chosen at load, the compile key's kernel when the runner is prepared
-        timing = _time_compiled(model_dir, name, form, "ahead" in rest, batches, length, rounds, iterations)
-    return name, timing
-
-
-def _time_compiled(
-    model_dir: Path,
-    name: str,
-    form: str,
-    ahead: bool,
-    batches: list[int],
-    length: int,
-    rounds: int,
-    iterations: int,
-) -> dict[str, Any]:
-    """One compiled form's timings (:func:`compiled_step`), the engine loaded and closed here."""
-    engine = bf16_cpu_engine(
-        model_dir,
-        max_batch=max(batches),
-        compile_step=True,
-        compile_ahead=ahead,
-        quantize="none" if form == "bf16" else form,
-    )
-    batch_runner = engine._batch
-    timing: dict[str, Any] = {}
-    with torch.inference_mode():
-        fill_slots(engine, max(batches), length)
-        began = time.perf_counter()
-        batch_runner.prepare_runner([(b, length) for b in batches])
-        timing["compile_s"] = time.perf_counter() - began
-        if batch_runner.runner_fallback is not None:
-            raise RuntimeError(f"{name}: {batch_runner.runner_fallback}")
-        for r in range(rounds):
-            for batch in batches if r % 2 == 0 else batches[::-1]:
-                wall, cpu = median_ms(lambda b=batch: batch_runner.runner.run(b, length), iterations)
-                entry = timing.setdefault(f"{name}@{batch}", {"ms": [], "cpu_ms": []})
-                entry["ms"].append(wall)
-                entry["cpu_ms"].append(cpu)
-            print(f"[cpu_step] {name} round {r}: load {os.getloadavg()[0]:.1f}", flush=True)
-    engine.close()
-    return timing
-
-
 def main() -> int:
     """Load the engine, build every form, run the rounds, write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -448,7 +297,9 @@ def main() -> int:
     engine_extra = dict(engine.info.extra)
     step_compile_s: dict[str, float] = {}
     for quantize in [q for q in args.compiled_step.split(",") if q]:
-        name, timing = compiled_step(args.model_dir, quantize, batches, length, args.rounds, args.iterations)
+        name, timing = compiled_step(
+            args.model_dir, quantize, batches, length, args.rounds, args.iterations, floors=int8
+        )
         step_compile_s[name] = timing.pop("compile_s")
         rows.update(timing)
     result = {

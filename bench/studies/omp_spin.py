@@ -7,7 +7,7 @@ loads, so every setting runs in a child process of its own: ``OMP_WAIT_POLICY=PA
 (an idle thread sleeps in the kernel at once), ``GOMP_SPINCOUNT=N`` (it busy-waits N
 iterations first; libgomp's own default is 300000) and ``OMP_WAIT_POLICY=ACTIVE``. Each
 child loads the engine (bf16, ``--threads`` torch threads) and times its token step at
-batch 1 and 8 (the fastest of three median-of-three runs, :func:`bench.cpu.step.median_ms`).
+batch 1 and 8 (the fastest of three median-of-three runs, :func:`bench.cpu.rig.median_ms`).
 Every setting is measured twice: on an otherwise idle machine, and with ``--hogs``
 busy-looping processes beside it (a CPU shared with other work), where spinning threads
 fight the other process for the cores.
@@ -47,7 +47,7 @@ def child(model_dir: Path, threads: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    from bench.cpu.step import bf16_cpu_engine, median_ms
+    from bench.cpu.rig import bf16_cpu_engine, median_ms
 
     engine = bf16_cpu_engine(model_dir, max_batch=8)
     step = engine._batch.token_step

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.cpu.step import bf16_cpu_engine, fill_slots, median_ms
+from bench.cpu.rig import bf16_cpu_engine, fill_slots, median_ms
 from bench.harness.engine_bench import command, engine_parser, model_kind, prepare, report_header
 from bench.harness.machine import describe_machine
 from server.engine.chattts.step import decode_attention

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.cpu.report import INT8_FLOOR_RATIO, targets
+from bench.cpu.report import targets
+from bench.cpu.step_report import INT8_FLOOR_RATIO
 
 
 def _step(**best_ms: float) -> dict[str, Any]:
@@ -44,3 +45,17 @@ def test_the_int8_floor_is_the_faster_of_its_kernels() -> None:
     assert numbers.startswith("9.00 / 6.00 ms = 1.50×") and met is True
     [(_, numbers, _)] = _margin(_step(**{"step-compiled-w8a8-ahead": 9.0, "floor-int8-fbgemm": 6.0}))
     assert numbers.startswith("9.00 / 6.00 ms")  # a CPU without VNNI: FBGEMM's alone
+
+
+def test_the_floor_timed_beside_the_step_is_its_floor() -> None:
+    """A floor from the step rows' process, minutes earlier, would add the VM's drift to the ratio.
+
+    bench.cpu.compiled times the floor beside the compiled step in every round of its process; that
+    pair decides, and each round's ratio is shown.
+    """
+    step = _step(**{"step-compiled-w8a8-ahead": 9.0, "floor-int8-vnni": 4.0})
+    step["rows"]["step-compiled-w8a8-ahead@1"]["ms"] = [9.5, 9.0]
+    step["rows"]["step-compiled-w8a8-ahead:floor-int8@1"] = {"ms": [6.0, 6.5], "best_ms": 6.0}
+    [(_, numbers, met)] = _margin(step)
+    assert numbers.startswith("9.00 / 6.00 ms = 1.50×") and met is True
+    assert "timed beside it" in numbers and "each round 1.58, 1.38" in numbers
