@@ -9,15 +9,10 @@ from pathlib import Path
 from bench.harness.textset import DEFAULT_TEXTS
 from bench.soak.churn import DEFAULT_MARGIN_MIB
 
-#: ``--help``'s description: the first line of :mod:`bench.soak.run`'s docstring, the soak it runs.
-DESCRIPTION = (
-    "Soak benchmark (issue #9): thousands of mixed requests against one server; RSS and fds stay flat."
-)
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=DESCRIPTION)
+def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """Command-line flags; ``description`` (``--help``'s) is :mod:`bench.soak.run`'s, the soak it runs."""
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=description)
     p.add_argument("--requests", type=int, default=2000, help="requests in all")
     p.add_argument("--concurrency", type=int, default=12, help="workers running requests at once")
     p.add_argument("--engine", choices=("chattts", "fake"), default="chattts")

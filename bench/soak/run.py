@@ -163,7 +163,7 @@ async def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.soak``: run, write JSON/PNG/MD, exit 1 when an acceptance check fails."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args = parse_args(argv, (__doc__ or "").split("\n\n")[0])
     if args.engine == "chattts" and not (args.model_dir or args.dev_model):
         print("bench.soak: --engine chattts needs --model-dir or --dev-model", file=sys.stderr)
         return 2
