@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from bench.cpu.rig import bf16_cpu_engine, fill_slots, median_ms
+from bench.cpu.rig import bf16_cpu_engine, fill_slots, median_ms, record
 from server.engine.chattts.step import w8a8_vnni
 
 #: A kernel's floor for a batch: ``int8_floor(...)["vnni"](batch)`` is one call reading the weights.
@@ -76,11 +76,6 @@ def _time_compiled(
     batch_runner = engine._batch
     timing: dict[str, Any] = {}
 
-    def record(row: str, batch: int, wall: float, cpu: float) -> None:
-        entry = timing.setdefault(f"{row}@{batch}", {"ms": [], "cpu_ms": []})
-        entry["ms"].append(wall)
-        entry["cpu_ms"].append(cpu)
-
     with torch.inference_mode():
         fill_slots(engine, max(batches), length)
         began = time.perf_counter()
@@ -95,8 +90,8 @@ def _time_compiled(
                 # Step first in even rounds, the floor first in odd ones: neither always runs warm.
                 cases = [step, *kernels] if r % 2 == 0 else [*kernels, step]
                 measured = {row: median_ms(fn, iterations) for row, fn in cases}
-                record(name, batch, *measured.pop(name))
+                record(timing, f"{name}@{batch}", *measured.pop(name))
                 if measured:  # the floor is the faster kernel of the round
-                    record(paired_floor_row(name), batch, *min(measured.values()))
+                    record(timing, f"{paired_floor_row(name)}@{batch}", *min(measured.values()))
             print(f"[cpu_step] {name} round {r}: load {os.getloadavg()[0]:.1f}", flush=True)
     return timing

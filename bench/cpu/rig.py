@@ -32,6 +32,13 @@ def median_ms(fn: Callable[[], Any], iterations: int) -> tuple[float, float]:
     return sorted(runs)[1]
 
 
+def record(rows: dict[str, Any], key: str, wall: float, cpu: float) -> None:
+    """Add one round's wall and CPU ms (:func:`median_ms`) to row ``key`` (``name@batch``) of ``rows``."""
+    entry = rows.setdefault(key, {"ms": [], "cpu_ms": []})
+    entry["ms"].append(wall)
+    entry["cpu_ms"].append(cpu)
+
+
 def fill_slots(engine: Any, rows: int, length: int) -> None:
     """Give slots ``[0, rows)`` ``length - 1`` cached positions of random keys and values, as a live row has.
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from bench.cpu.compiled import compiled_step
 from bench.cpu.floors import floor, int8_floor
-from bench.cpu.rig import fill_slots, median_ms
+from bench.cpu.rig import fill_slots, median_ms, record
 from bench.harness.engine_bench import timed
 from server.engine.chattts.step.linear import PROJECTIONS, Int8Linear, PackedLinear, w8a8_layer
 
@@ -273,17 +273,11 @@ def main() -> int:
                     cases["transformers-compiled"] = transformers.token(batch, length, compiled["model"])
                 order = list(cases) if r % 2 == 0 else list(reversed(cases))
                 for name in order:
-                    wall, cpu = median_ms(cases[name], args.iterations)
-                    entry = rows.setdefault(f"{name}@{batch}", {"ms": [], "cpu_ms": []})
-                    entry["ms"].append(wall)
-                    entry["cpu_ms"].append(cpu)
+                    record(rows, f"{name}@{batch}", *median_ms(cases[name], args.iterations))
                 for form in FORMS if r % 2 == 0 else FORMS[::-1]:
                     forms.use(form)
                     key = f"step-{form}@{batch}"
-                    wall, cpu = median_ms(lambda b=batch: step(b, length), args.iterations)
-                    entry = rows.setdefault(key, {"ms": [], "cpu_ms": []})
-                    entry["ms"].append(wall)
-                    entry["cpu_ms"].append(cpu)
+                    record(rows, key, *median_ms(lambda b=batch: step(b, length), args.iterations))
                     measured = split.measure(layers, batch, length, args.iterations)
                     if key not in splits or measured["total"] < splits[key]["total"]:
                         splits[key] = measured

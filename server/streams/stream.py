@@ -37,8 +37,7 @@ from server.streams.items import Frame, OutItem
 from server.streams.lifecycle import Lease, Lifecycle, StreamState
 from server.streams.outbox import BufferOverflow, Outbox
 from server.streams.timing import SegmentWords
-from server.streams.tokens import new_stream_token as new_stream_token  # re-exported: test_outbox's
-from server.streams.tokens import redact as redact
+from server.streams.tokens import redact
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from server.audio.base import EncodedFrame
 from server.errors import ResumeExpired
 from server.streams.items import Done, Frame, SegmentMark
 from server.streams.outbox import BufferOverflow, Outbox
-from server.streams.stream import new_stream_token, redact
+from server.streams.tokens import new_stream_token, redact
 
 FRAME = EncodedFrame(b"\x00" * 960, 480)
 

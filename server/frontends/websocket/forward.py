@@ -44,7 +44,7 @@ from server.frontends.websocket.handoff import (
 )
 from server.frontends.websocket.routes import STREAM_PATH
 from server.streams.routing import Router
-from server.streams.stream import redact
+from server.streams.tokens import redact
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,8 @@ from server.streams.failover import ResumePoint
 from server.streams.items import Done, Failure, Frame, OutItem, SegmentMark, Words
 from server.streams.lifecycle import Lease
 from server.streams.service import SpeechService
-from server.streams.stream import Stream, redact
+from server.streams.stream import Stream
+from server.streams.tokens import redact
 
 log = logging.getLogger(__name__)
 
